@@ -1,0 +1,35 @@
+# The two quickstart commands: `make demo` and `make test`. Each builds .venv first.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+DEMO := demo-out
+# pip prints a warning per package for the machine's extra local indexes; keep logs readable.
+PIP := $(BIN)/pip install -q --disable-pip-version-check
+
+.PHONY: venv demo test test-slow bench clean docs
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(PIP) -e '.[dev]' 2>&1 | grep -v "is ignored: it is neither" || true
+	$(BIN)/python -c "import ckptctl, torch, s3fs, safetensors, moto, hypothesis" 
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=4 \
+	    tests/fixtures/write_dcp.py --layout fsdp --out $(DEMO)/tmp 2>&1 | grep -v Warning || true
+	rm -rf $(DEMO)/run1 && mkdir -p $(DEMO)/run1 && mv $(DEMO)/tmp/fsdp/step-* $(DEMO)/run1/ && rm -rf $(DEMO)/tmp
+	$(BIN)/ckptctl ls $(DEMO)/run1
+	$(BIN)/ckptctl inspect $(DEMO)/run1/$$(ls $(DEMO)/run1 | head -1)
+	$(BIN)/ckptctl inspect $(DEMO)/run1/$$(ls $(DEMO)/run1 | head -1) --tree --filter 'model.layers.0.*'
+
+test: venv
+	$(BIN)/python -m pytest -n 2 -q
+
+test-slow: venv
+	$(BIN)/python -m pytest -q -m slow
+
+clean:
+	rm -rf $(VENV) $(DEMO) tests/.cache

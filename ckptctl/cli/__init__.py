@@ -1,0 +1,1 @@
+"""The command line: typer commands, one small module per verb; rendering only."""

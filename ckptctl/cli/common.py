@@ -1,0 +1,93 @@
+"""What every command shares: global options, JSON output, human sizes, TTY-only rich.
+
+>>> human_bytes(1536), human_bytes(3 * 2**30)
+('1.5 KiB', '3.0 GiB')
+"""
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+
+import typer
+
+
+@dataclass
+class Context:
+    """Global options, set by the app callback."""
+
+    debug: bool = False
+    quiet: bool = False
+    storage_options: dict = field(default_factory=dict)
+
+
+CTX = Context()
+
+JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.")
+QuietOpt = typer.Option(False, "--quiet", "-q", help="Print nothing but errors.")
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def human_count(n: int) -> str:
+    for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= div:
+            return f"{n / div:.2f}{unit}"
+    return str(n)
+
+
+def is_tty() -> bool:
+    return sys.stdout.isatty()
+
+
+def console():
+    from rich.console import Console
+
+    return Console(highlight=False, soft_wrap=False)
+
+
+def emit_json(doc) -> None:
+    sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def print_table(headers: list[str], rows: list[list[str]], title: str | None = None) -> None:
+    """A rich table on a TTY; plain tab-free aligned columns otherwise."""
+    if is_tty():
+        from rich.table import Table
+
+        t = Table(title=title, show_edge=False, pad_edge=False)
+        for h in headers:
+            t.add_column(h, overflow="fold")
+        for r in rows:
+            t.add_row(*r)
+        console().print(t)
+        return
+    if title:
+        print(title)
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+    for r in [headers, *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
+
+
+def say(text: str = "") -> None:
+    if not CTX.quiet:
+        print(text)
+
+StorageOpt = typer.Option(
+    None, "--storage-option", "-o", metavar="KEY=VALUE",
+    help="fsspec storage option, repeatable (endpoint_url=..., key=..., secret=...). "
+         "S3 also reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY.")
+
+
+def storage_options(pairs: list[str] | None) -> dict:
+    from ..storage import parse_storage_options
+
+    return parse_storage_options(pairs)

@@ -1,0 +1,71 @@
+"""``ckptctl inspect URL``: what is in a checkpoint (metadata only, no tensor data)."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from .common import (JsonOpt, QuietOpt, StorageOpt, CTX, emit_json, human_bytes, human_count,
+                     print_table, say, storage_options)
+from .main import app
+
+
+@app.command()
+def inspect(
+    url: str = typer.Argument(..., help="Checkpoint folder or file: path, file://, s3://..."),
+    json: bool = JsonOpt,
+    tensors: bool = typer.Option(False, "--tensors", help="List every tensor."),
+    tree: bool = typer.Option(False, "--tree", help="Group tensors by module prefix."),
+    filter: Optional[str] = typer.Option(None, "--filter", metavar="GLOB",
+                                         help="Only entries whose name matches GLOB."),
+    show_objects: bool = typer.Option(False, "--show-objects",
+                                      help="List non-tensor entries, with values when plain data."),
+    quiet: bool = QuietOpt,
+    storage_option: Optional[List[str]] = StorageOpt,
+):
+    """Show format, step, sizes, dtypes, layout and state closure of a checkpoint.
+
+    Reads metadata only: on S3 a DCP checkpoint costs a listing and one or two GETs.
+    """
+    from ..ops import inspect as do_inspect
+
+    CTX.quiet = quiet
+    r = do_inspect(url, storage_options(storage_option), filter=filter,
+                   show_objects=show_objects, tree=tree)
+    if json:
+        doc = r.to_dict()
+        if not tree:
+            doc.pop("tree")
+        emit_json(doc)
+        return
+    if quiet:
+        return
+    step = f"step {r.step} (from {r.step_source})" if r.step is not None else "step unknown"
+    say(f"{r.url}")
+    say(f"  format   {r.format}, {step}, {'sealed' if r.sealed else 'not sealed'}")
+    say(f"  size     {human_bytes(r.total_bytes)} in {r.num_files} files; "
+        f"{r.num_tensors} tensors ({human_bytes(r.tensor_bytes)}), {r.num_objects} objects")
+    say(f"  params   {human_count(r.num_params)} ({r.num_params:,}) in the model part")
+    say("  dtypes   " + ", ".join(f"{d} {v['tensors']} tensors {human_bytes(v['bytes'])}"
+                                  for d, v in r.dtypes.items()))
+    lay = r.layout
+    dims = ", ".join(f"{k}: {v}" for k, v in lay["dims"].items()) or "none"
+    say(f"  layout   {lay['world_size']} data files, {lay['sharded_tensors']} tensors sharded "
+        f"({dims}), {lay['replicated_tensors']} stored whole"
+        + (f", mesh guess {lay['mesh_guess']}" if lay["mesh_guess"] else ""))
+    say("  closure  " + "  ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r.closure.items()))
+    if tree:
+        say("")
+        print_table(["module", "tensors", "params", "bytes"],
+                    [[("  " * n.prefix.count(".")) + n.prefix.rsplit(".", 1)[-1], str(n.num_tensors),
+                      human_count(n.num_params), human_bytes(n.bytes)] for n in r.tree])
+    if tensors:
+        say("")
+        print_table(["name", "dtype", "shape", "chunks", "bytes"],
+                    [[t.name, t.dtype, "x".join(map(str, t.shape)) or "()", str(t.num_chunks),
+                      human_bytes(t.bytes)] for t in r.tensors])
+    if show_objects:
+        say("")
+        print_table(["name", "part", "type", "value"],
+                    [[o.name, o.part, o.type or "-", "-" if o.value is None else repr(o.value)[:60]]
+                     for o in r.objects])

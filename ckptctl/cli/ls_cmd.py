@@ -1,0 +1,38 @@
+"""``ckptctl ls ROOT``: the checkpoints a place holds."""
+from __future__ import annotations
+
+import datetime as dt
+from typing import List, Optional
+
+import typer
+
+from .common import CTX, JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, print_table, storage_options
+from .main import app
+
+
+@app.command()
+def ls(
+    root: str = typer.Argument(..., help="Folder or prefix holding checkpoints."),
+    json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    storage_option: Optional[List[str]] = StorageOpt,
+):
+    """List every checkpoint under ROOT with step, format, state, size and time, by step."""
+    from ..ops import ls as do_ls
+
+    CTX.quiet = quiet
+    r = do_ls(root, storage_options(storage_option))
+    if json:
+        emit_json(r.to_dict())
+        return
+    if quiet:
+        return
+    rows = []
+    for c in r.checkpoints:
+        when = dt.datetime.fromtimestamp(c.modified).strftime("%Y-%m-%d %H:%M") if c.modified else "-"
+        rows.append([c.name, "-" if c.step is None else str(c.step), c.format or "-", c.state,
+                     human_bytes(c.bytes), when])
+    if not rows:
+        print(f"no checkpoints under {r.root}")
+        return
+    print_table(["name", "step", "format", "state", "size", "modified"], rows)

@@ -1,0 +1,57 @@
+"""Typed errors. Every error ckptctl raises on purpose is a :class:`CkptError`; its
+``exit_code`` is what the CLI exits with (DESIGN.md, "Errors and exit codes").
+
+>>> try:
+...     raise FormatError("ckpt/.metadata", "truncated pickle")
+... except CkptError as e:
+...     (e.exit_code, str(e))
+(3, 'ckpt/.metadata: truncated pickle')
+"""
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FINDING = 1
+EXIT_USAGE = 2
+EXIT_OPERATIONAL = 3
+EXIT_INTERRUPTED = 130
+
+
+class CkptError(Exception):
+    """Base class: a one-line, user-facing message and an exit code."""
+
+    exit_code = EXIT_OPERATIONAL
+
+    def __init__(self, path: str | None, message: str):
+        self.path = path
+        self.message = message
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class UsageError(CkptError):
+    """Bad flag, bad layout spec, contradictory options (exit 2)."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, message: str, path: str | None = None):
+        super().__init__(path, message)
+
+
+class NotFoundError(CkptError):
+    """A place, file or entry does not exist (exit 3)."""
+
+
+class StorageError(CkptError):
+    """I/O, permission or remote failure (exit 3)."""
+
+
+class FormatError(CkptError):
+    """A file is not what its format says: truncated, malformed, inconsistent (exit 3)."""
+
+
+class UnsafeInputError(FormatError):
+    """Input that tries to escape the rails: hostile pickle, path traversal,
+    absurd sizes (exit 3)."""
+
+
+class UnsupportedFormatError(CkptError):
+    """Nothing ckptctl knows matches what is at the place (exit 3)."""

@@ -1,0 +1,118 @@
+"""Find out what is at a place and open it as a :class:`~ckptctl.model.Checkpoint`.
+
+>>> detect_format({".metadata": 10, "__0_0.distcp": 100})
+'dcp'
+>>> detect_format({"model.safetensors": 10, "config.json": 2})
+'safetensors'
+>>> step_from_name("s3://b/run/global_step1200"), step_from_name("iter_0001200"), step_from_name("x")
+(1200, 1200, None)
+"""
+from __future__ import annotations
+
+import posixpath
+import re
+
+from ..errors import UnsupportedFormatError
+from ..model import Checkpoint
+from ..storage import Store, open_store
+from . import dcp, safetensors, torchsave
+from .manifest import read_manifest
+
+_STEP_PATTERNS = [re.compile(p) for p in (
+    r"^(?:step|global_step|checkpoint|ckpt|iter|iteration)[-_]?0*(\d+)$",
+    r"^(?:step|global_step|checkpoint|ckpt|iter|iteration)[-_]?0*(\d+)\.\w+$",
+)]
+
+
+def step_from_name(url: str) -> int | None:
+    """The step a checkpoint's name carries (``step-1200``, ``global_step1200``,
+    ``checkpoint-1200``, ``iter_0001200``), or None."""
+    name = posixpath.basename(url.rstrip("/"))
+    for pat in _STEP_PATTERNS:
+        m = pat.match(name)
+        if m:
+            return int(m.group(1) or 0)
+    return None
+
+
+def detect_format(files: dict[str, int]) -> str | None:
+    """The format the files of a folder make up, or None."""
+    if dcp.is_dcp(files):
+        return "dcp"
+    if safetensors.is_safetensors(files):
+        return "safetensors"
+    if any(torchsave.is_torch_file(f) for f in files):
+        return "torch"
+    return None
+
+
+def _file_format(name: str) -> str | None:
+    if name.endswith(".safetensors"):
+        return "safetensors"
+    if torchsave.is_torch_file(name):
+        return "torch"
+    return None
+
+
+def locate(url: str, storage_options: dict | None = None) -> tuple[Store, dict[str, int], str | None]:
+    """(store of the folder, its files, the single file meant or None) for a URL that names
+    a checkpoint folder or one checkpoint file. One listing request for a folder."""
+    store = open_store(url, storage_options)
+    files = store.list_files()
+    if files:
+        return store, files, None
+    parent_url, name = url.rstrip("/").rsplit("/", 1) if "/" in url.rstrip("/") else (".", url)
+    parent = open_store(parent_url or "/", storage_options)
+    if _file_format(name) and parent.exists(name):
+        return parent, {name: parent.size(name)}, name
+    if not store.exists():
+        from ..errors import NotFoundError
+        raise NotFoundError(url, "no such file or directory")
+    raise UnsupportedFormatError(url, "empty: no checkpoint files here")
+
+
+def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bool = True,
+                    read_step: bool = True) -> Checkpoint:
+    """Open whatever checkpoint is at ``url``: format detection, metadata, manifest, step.
+
+    Reads metadata only: a DCP checkpoint costs one listing and one or two GETs.
+    """
+    store, files, single = locate(url, storage_options)
+    fmt = _file_format(single) if single else detect_format(files)
+    if fmt == "dcp":
+        ck = dcp.read_dcp(store, files, strict=strict)
+    elif fmt == "safetensors":
+        ck = safetensors.read_safetensors(store, files, single)
+    elif fmt == "torch":
+        ck = torchsave.read_torch(store, files, single)
+    else:
+        shown = ", ".join(list(files)[:5])
+        raise UnsupportedFormatError(url, "no checkpoint format recognised (expected DCP "
+                                     ".metadata, *.safetensors or *.pt/*.bin files; found "
+                                     f"{shown}{', ...' if len(files) > 5 else ''})")
+    ck.root = url
+    ck.info["manifest"] = read_manifest(store, files) if not single else None
+    resolve_step(ck, url, read_step=read_step)
+    return ck
+
+
+def resolve_step(ck: Checkpoint, url: str, *, read_step: bool = True) -> None:
+    """Step from the manifest, else a ``step`` entry, else the name."""
+    man = ck.info.get("manifest")
+    if man and isinstance(man.get("step"), int):
+        ck.step, ck.info["step_source"] = man["step"], "manifest"
+        return
+    if read_step:
+        if ck.format == "dcp":
+            from .tensorio import read_object
+
+            step = dcp.step_from_objects(ck, read_object)
+        else:
+            v = ck.objects.get("step")
+            step = v.value if v is not None and isinstance(v.value, int) else None
+        if step is not None:
+            ck.step, ck.info["step_source"] = step, "entry"
+            return
+    step = step_from_name(url)
+    if step is not None:
+        ck.step, ck.info["step_source"] = step, "name"

@@ -1,0 +1,33 @@
+"""Bounds checked before anything is allocated (DESIGN.md, safety rails).
+
+>>> from ckptctl.model import DTYPES
+>>> check_shape((2, 3), DTYPES["float32"])
+24
+>>> check_shape((2**40, 2**40), DTYPES["float32"], where="x.safetensors: w")
+Traceback (most recent call last):
+ckptctl.errors.UnsafeInputError: x.safetensors: w: shape [1099511627776, 1099511627776] is absurdly large
+"""
+from __future__ import annotations
+
+import math
+
+from ..errors import UnsafeInputError
+
+#: safetensors' own limit on its JSON header.
+MAX_SAFETENSORS_HEADER = 100_000_000
+#: A 10,000-rank DCP run with 300k chunks has a 44 MB .metadata; 1 GiB is far past sane.
+MAX_METADATA_BYTES = 1 << 30
+#: Largest tensor we agree to describe: 2**50 bytes (1 PiB).
+MAX_TENSOR_BYTES = 1 << 50
+MAX_NDIM = 64
+
+
+def check_shape(shape, dtype, *, where: str = "") -> int:
+    """Refuse shapes whose byte size overflows sane bounds; return the byte size."""
+    if len(shape) > MAX_NDIM:
+        raise UnsafeInputError(where or None, f"tensor has {len(shape)} dims")
+    numel = math.prod(shape)
+    nbytes = dtype.nbytes(numel)
+    if nbytes > MAX_TENSOR_BYTES or any(s > MAX_TENSOR_BYTES for s in shape):
+        raise UnsafeInputError(where or None, f"shape {list(shape)} is absurdly large")
+    return nbytes

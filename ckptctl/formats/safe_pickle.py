@@ -1,0 +1,128 @@
+"""Unpicklers that run no code: every global a pickle names is looked up in an allow-list
+of inert stand-ins, so a hostile pickle is refused before anything executes.
+
+>>> loads_primitive(b"\\x80\\x02K\\x07.")
+7
+>>> import pickle, os
+>>> loads_primitive(pickle.dumps(os.getcwd))
+Traceback (most recent call last):
+ckptctl.errors.UnsafeInputError: pickle refers to global posix.getcwd, which is not allowed
+"""
+from __future__ import annotations
+
+import io
+import pickle
+from ..errors import FormatError, UnsafeInputError
+
+
+class Record:
+    """An inert object rebuilt from a pickled class instance: attributes only, no methods."""
+
+    _cls_name = "Record"
+
+    def __init__(self, *args, **kwargs):  # only reached through REDUCE of a hostile pickle
+        self._args = args
+
+    def __setstate__(self, state):
+        if isinstance(state, tuple) and len(state) == 2 and (
+                state[0] is None or isinstance(state[0], dict)) and isinstance(state[1], dict):
+            state = {**(state[0] or {}), **state[1]}  # (dict, slots) form
+        if isinstance(state, dict):
+            self.__dict__.update({str(k): v for k, v in state.items()})
+        else:
+            self.__dict__["_state"] = state
+
+    def __repr__(self):
+        return f"{self._cls_name}({self.__dict__})"
+
+
+def record_class(name: str) -> type:
+    return type(name, (Record,), {"_cls_name": name})
+
+
+class TorchName(str):
+    """A torch object referred to by name (``torch.float32``, ``torch.strided``)."""
+
+
+class RestrictedUnpickler(pickle.Unpickler):
+    """Resolve globals only through ``allowed``: ``(module, name) -> object``."""
+
+    def __init__(self, file, allowed: dict[tuple[str, str], object]):
+        super().__init__(file)
+        self._allowed = allowed
+
+    def find_class(self, module: str, name: str):
+        try:
+            return self._allowed[(module, name)]
+        except KeyError:
+            raise UnsafeInputError(None, f"pickle refers to global {module}.{name}, "
+                                   "which is not allowed") from None
+
+    def persistent_load(self, pid):
+        raise UnsafeInputError(None, "pickle refers to external storage")
+
+
+def restricted_loads(data: bytes, allowed: dict, *, where: str = "") -> object:
+    """Unpickle ``data`` with only ``allowed`` globals; any failure is a one-line error."""
+    try:
+        return RestrictedUnpickler(io.BytesIO(data), allowed).load()
+    except UnsafeInputError as e:
+        raise UnsafeInputError(where or None, e.message) from None
+    except RecursionError:
+        raise FormatError(where or None, "pickle nests too deeply") from None
+    except MemoryError:
+        raise FormatError(where or None, "pickle asks for absurd amounts of memory") from None
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
+        kind = "truncated" if isinstance(e, EOFError) else "malformed"
+        raise FormatError(where or None, f"{kind} pickle ({type(e).__name__})") from None
+
+
+def loads_primitive(data: bytes, *, where: str = "") -> object:
+    """Unpickle a pickle of plain values (numbers, strings, lists, dicts): no globals at all."""
+    return restricted_loads(data, {}, where=where)
+
+
+# --------------------------------------------------------------------------- DCP metadata
+
+def _torch_size(*args):
+    if len(args) != 1 or not isinstance(args[0], (list, tuple)):
+        raise UnsafeInputError(None, "torch.Size with unexpected arguments")
+    return tuple(args[0])
+
+
+def _path(*parts):
+    if not all(isinstance(p, str) for p in parts):
+        raise UnsafeInputError(None, "path with unexpected arguments")
+    return "/".join(parts)
+
+
+def _enum_value(value=None, *args):
+    return value
+
+
+def _layout(name=None, *args):
+    return TorchName(str(name))
+
+
+def dcp_allowed_globals(dtype_names) -> dict[tuple[str, str], object]:
+    """The globals a DCP ``.metadata`` pickle may name, mapped to inert stand-ins."""
+    allowed: dict[tuple[str, str], object] = {}
+    md = "torch.distributed.checkpoint.metadata"
+    for cls in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+                "ChunkStorageMetadata", "TensorProperties", "StorageMeta"):
+        allowed[(md, cls)] = record_class(cls)
+    allowed[("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties")] = (
+        allowed[(md, "TensorProperties")])
+    allowed[("torch.distributed._shard.metadata", "ShardMetadata")] = record_class("ShardMetadata")
+    allowed[(md, "_MEM_FORMAT_ENCODING")] = _enum_value
+    allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = record_class(
+        "_StorageInfo")
+    allowed[("torch", "Size")] = _torch_size
+    allowed[("torch.serialization", "_get_layout")] = _layout
+    for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
+        allowed[("pathlib", cls)] = _path
+    allowed[("collections", "OrderedDict")] = dict
+    for name in dtype_names:
+        allowed[("torch", name)] = TorchName(name)
+    return allowed
+

@@ -1,0 +1,150 @@
+"""``inspect``: what is in a checkpoint, from its metadata alone.
+
+>>> r = inspect("tests/data/some-ckpt")                     # doctest: +SKIP
+>>> r.format, r.num_params, r.closure["optim"]              # doctest: +SKIP
+('dcp', 1234567, True)
+"""
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import asdict, dataclass, field
+
+from ..formats import open_checkpoint, read_object
+from ..model import Checkpoint, layout_summary
+from .closure import PARTS, classify
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    dtype: str
+    shape: list[int]
+    num_chunks: int
+    bytes: int
+    part: str
+    sharded_dims: list[int]
+
+
+@dataclass
+class ObjectInfo:
+    name: str
+    part: str
+    bytes: int | None
+    type: str | None = None
+    value: object = None
+
+
+@dataclass
+class TreeNode:
+    prefix: str
+    num_tensors: int
+    num_params: int
+    bytes: int
+
+
+@dataclass
+class InspectResult:
+    url: str
+    format: str
+    step: int | None
+    step_source: str | None
+    total_bytes: int
+    num_files: int
+    num_tensors: int
+    num_objects: int
+    num_params: int
+    tensor_bytes: int
+    dtypes: dict[str, dict]
+    layout: dict
+    closure: dict[str, bool]
+    sealed: bool
+    tensors: list[TensorInfo] = field(default_factory=list)
+    objects: list[ObjectInfo] = field(default_factory=list)
+    tree: list[TreeNode] = field(default_factory=list)
+    metadata: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _tree(tensors: list[TensorInfo]) -> list[TreeNode]:
+    """Totals for every module prefix (``layers``, ``layers.0``, ``layers.0.attention`` ...)."""
+    acc: dict[str, list[int]] = {}
+    for t in tensors:
+        numel = 1
+        for s in t.shape:
+            numel *= s
+        parts = t.name.split(".")
+        for i in range(1, len(parts)):
+            node = acc.setdefault(".".join(parts[:i]), [0, 0, 0])
+            node[0] += 1
+            node[1] += numel if t.part == "model" else 0
+            node[2] += t.bytes
+    return [TreeNode(p, *v) for p, v in sorted(acc.items())]
+
+
+def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool = False,
+              tree: bool = False) -> InspectResult:
+    """Build the inspect report of an opened checkpoint."""
+    def keep(name: str) -> bool:
+        return filter is None or fnmatch.fnmatchcase(name, filter)
+
+    tensors = [TensorInfo(t.name, t.dtype.name, list(t.shape), len(t.chunks), t.nbytes,
+                          classify(t.name), list(t.sharded_dims()))
+               for t in ck.tensors.values()]
+    dtypes: dict[str, dict] = {}
+    num_params = 0
+    for ti, t in zip(tensors, ck.tensors.values()):
+        d = dtypes.setdefault(ti.dtype, {"tensors": 0, "elements": 0, "bytes": 0})
+        d["tensors"] += 1
+        d["elements"] += t.numel
+        d["bytes"] += t.nbytes
+        if ti.part == "model":
+            num_params += t.numel
+    closure = {p: False for p in PARTS}
+    for name in list(ck.tensors) + list(ck.objects):
+        closure[classify(name)] = True
+    if ck.step is not None and ck.info.get("step_source") in ("manifest", "entry"):
+        closure["step"] = True
+    objects = []
+    for o in ck.objects.values():
+        if not keep(o.name):
+            continue
+        info = ObjectInfo(o.name, classify(o.name), o.extent.length if o.extent and
+                          o.extent.encoding != "torch_save" else None, o.type_name)
+        if show_objects:
+            try:
+                info.value = _jsonable(read_object(ck, o))
+                info.type = info.type or type(info.value).__name__
+            except Exception as e:  # noqa: BLE001 - shown, not fatal: objects are opaque
+                info.value = None
+                info.type = info.type or f"opaque ({getattr(e, 'message', type(e).__name__)})"
+        objects.append(info)
+    shown = [t for t in tensors if keep(t.name)]
+    lay = layout_summary(ck)
+    meta = ck.info.get("metadata") or {}
+    return InspectResult(
+        url=ck.root, format=ck.format, step=ck.step, step_source=ck.info.get("step_source"),
+        total_bytes=ck.total_bytes, num_files=len(ck.files), num_tensors=len(ck.tensors),
+        num_objects=len(ck.objects), num_params=num_params,
+        tensor_bytes=sum(t.nbytes for t in ck.tensors.values()),
+        dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])),
+        layout=asdict(lay), closure=closure, sealed=ck.info.get("manifest") is not None,
+        tensors=shown, objects=objects, tree=_tree(shown) if tree else [], metadata=meta)
+
+
+def _jsonable(v):
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    return repr(v)[:200]
+
+
+def inspect(url: str, storage_options: dict | None = None, *, filter: str | None = None,
+            show_objects: bool = False, tree: bool = False) -> InspectResult:
+    """Open ``url`` (metadata only) and summarise it."""
+    ck = open_checkpoint(url, storage_options)
+    return summarize(ck, filter=filter, show_objects=show_objects, tree=tree)

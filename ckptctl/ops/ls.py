@@ -1,0 +1,98 @@
+"""``ls``: every checkpoint under a root, with its step, format, state, size and time.
+
+One recursive listing finds the candidates; each is then classified from its metadata
+(one or two small reads each, no tensor data).
+
+>>> [c.name for c in ls("runs/llama").checkpoints]           # doctest: +SKIP
+['step-100', 'step-200']
+"""
+from __future__ import annotations
+
+import posixpath
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from ..formats.detect import detect_format, step_from_name
+from ..formats.manifest import MANIFEST
+from ..formats.torchsave import is_torch_file
+from ..storage import open_store
+from .state import checkpoint_state
+
+_HF_BIN = re.compile(r"^pytorch_model(-\d+-of-\d+)?\.bin$")
+
+
+@dataclass
+class CheckpointRow:
+    name: str
+    url: str
+    step: int | None
+    format: str | None
+    state: str
+    reason: str
+    bytes: int
+    num_files: int
+    modified: float | None
+
+
+@dataclass
+class LsResult:
+    root: str
+    checkpoints: list[CheckpointRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _candidates(files: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Group a recursive listing into checkpoints: folders that hold a format's files,
+    and standalone torch.save files. Key: the checkpoint's path relative to the root."""
+    by_dir: dict[str, dict[str, int]] = {}
+    for rel, size in files.items():
+        d, base = posixpath.split(rel)
+        by_dir.setdefault(d, {})[base] = size
+    found: dict[str, dict[str, int]] = {}
+    for d in sorted(by_dir):
+        if any(d == c or d.startswith(c + "/") for c in found if c):
+            continue  # inside a checkpoint already found
+        own = by_dir[d]
+        fmt = detect_format(own)
+        if fmt in ("dcp", "safetensors") or (fmt is None and MANIFEST in own):
+            found[d] = {k: v for k, v in files.items() if d == "" or k.startswith(d + "/")}
+        elif fmt == "torch":
+            if any(_HF_BIN.match(f) for f in own):
+                found[d] = {k: v for k, v in files.items() if d == "" or k.startswith(d + "/")}
+            else:
+                for f in own:
+                    if is_torch_file(f):
+                        found[posixpath.join(d, f)] = {posixpath.join(d, f): own[f]}
+    return found
+
+
+def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> LsResult:
+    """List the checkpoints under ``root``, sorted by step (then name)."""
+    store = open_store(root, storage_options)
+    files = store.list_files()
+    groups = _candidates(files)
+
+    def row(rel: str) -> CheckpointRow:
+        url = store.display(rel) if rel else store.url
+        rep = checkpoint_state(url, storage_options)
+        ck = rep.checkpoint
+        step = ck.step if ck is not None and ck.step is not None else step_from_name(rel or root)
+        fmt = ck.format if ck is not None else detect_format(
+            {posixpath.relpath(k, rel) if rel else k: v for k, v in groups[rel].items()})
+        mtime = None
+        marker = max(groups[rel], key=lambda k: (k.endswith((MANIFEST, ".metadata")), k))
+        try:
+            mtime = store.modified(marker)
+        except Exception:  # noqa: BLE001 - a missing mtime is not worth failing ls
+            pass
+        return CheckpointRow(rel or posixpath.basename(root.rstrip("/")), url, step, fmt,
+                             rep.state, rep.reason, sum(groups[rel].values()),
+                             len(groups[rel]), mtime)
+
+    with ThreadPoolExecutor(max(1, min(workers, len(groups)))) as pool:
+        rows = list(pool.map(row, sorted(groups)))
+    rows.sort(key=lambda r: (r.step is None, r.step if r.step is not None else 0, r.name))
+    return LsResult(store.url, rows)

@@ -1,0 +1,267 @@
+"""URL -> :class:`Store`: one checkpoint root on any fsspec filesystem.
+
+A store speaks in paths relative to its root, refuses paths that escape it, and turns
+every storage failure into a :class:`~ckptctl.errors.CkptError` with a one-line message
+(never the credentials).
+
+>>> import tempfile, pathlib
+>>> d = tempfile.mkdtemp(); _ = pathlib.Path(d, "a.bin").write_bytes(b"0123456789")
+>>> s = open_store(d)
+>>> s.read_range("a.bin", 2, 5), s.list_files()
+(b'234', {'a.bin': 10})
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import posixpath
+import threading
+from dataclasses import dataclass
+from typing import Iterator
+
+from ..errors import NotFoundError, StorageError, UnsafeInputError, UsageError
+
+_REMOTE_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "http", "https", "memory")
+
+
+@dataclass
+class IOStats:
+    """What a store did: counted by the store itself, per call it makes."""
+
+    reads: int = 0
+    bytes_read: int = 0
+    lists: int = 0
+
+
+def parse_storage_options(pairs: list[str] | None) -> dict:
+    """Turn repeated ``key=value`` flags into fsspec storage options.
+
+    Values ``true``/``false``/integers are typed; dotted keys nest.
+
+    >>> parse_storage_options(["endpoint_url=http://x:9", "client_kwargs.region_name=us",
+    ...                        "use_ssl=false", "max_concurrency=4"])
+    {'endpoint_url': 'http://x:9', 'client_kwargs': {'region_name': 'us'}, 'use_ssl': False, 'max_concurrency': 4}
+    """
+    out: dict = {}
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"--storage-option expects key=value, got {pair.split('=')[0]!r}")
+        value: object = raw
+        if raw.lower() in ("true", "false"):
+            value = raw.lower() == "true"
+        elif raw.lstrip("-").isdigit():
+            value = int(raw)
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``s3://b/p`` -> (``s3``, ``b/p``); plain paths and ``file://`` -> (``file``, abs path).
+
+    >>> split_url("s3://bucket/run/step-1/"), split_url("file:///tmp/x")
+    (('s3', 'bucket/run/step-1'), ('file', '/tmp/x'))
+    """
+    if "://" in url:
+        proto, rest = url.split("://", 1)
+        proto = proto.lower()
+        if proto == "file":
+            return "file", os.path.abspath(rest or "/")
+        return proto, rest.rstrip("/")
+    return "file", os.path.abspath(url)
+
+
+def _s3_options(options: dict) -> dict:
+    opts = {"use_listings_cache": False, "skip_instance_cache": True}
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+    if endpoint and "endpoint_url" not in options and "endpoint_url" not in options.get(
+            "client_kwargs", {}):
+        opts["endpoint_url"] = endpoint
+    opts.update(options)
+    return opts
+
+
+def make_filesystem(protocol: str, options: dict | None = None):
+    """An fsspec filesystem for ``protocol`` with ckptctl's defaults (S3: endpoint from
+    ``AWS_ENDPOINT_URL``, no listing cache)."""
+    import fsspec
+
+    options = dict(options or {})
+    if protocol in ("s3", "s3a"):
+        options = _s3_options(options)
+        protocol = "s3"
+    try:
+        return fsspec.filesystem(protocol, **options)
+    except ImportError as e:
+        raise StorageError(None, f"no filesystem for {protocol}://: {e}") from None
+    except (TypeError, ValueError) as e:
+        raise UsageError(f"bad storage options for {protocol}://: {type(e).__name__}") from None
+
+
+def open_store(url: str, storage_options: dict | None = None) -> "Store":
+    """Open the place at ``url`` (a plain path, ``file://``, ``s3://bucket/prefix``, ...)."""
+    protocol, path = split_url(url)
+    fs = make_filesystem(protocol, storage_options)
+    return Store(url.rstrip("/") if protocol != "file" else path, fs, protocol, path)
+
+
+def safe_relpath(rel: str, *, where: str = "") -> str:
+    """Normalise a path found in a checkpoint and refuse anything that leaves the root.
+
+    >>> safe_relpath("./a/b.distcp")
+    'a/b.distcp'
+    >>> safe_relpath("../etc/passwd")
+    Traceback (most recent call last):
+    ckptctl.errors.UnsafeInputError: path '../etc/passwd' escapes the checkpoint root
+    """
+    bad = (not rel or "\x00" in rel or rel.startswith(("/", "\\")) or "\\" in rel
+           or (len(rel) > 1 and rel[1] == ":"))
+    norm = posixpath.normpath(rel) if not bad else rel
+    if bad or norm == ".." or norm.startswith("../") or norm == ".":
+        raise UnsafeInputError(where or None, f"path {rel!r} escapes the checkpoint root")
+    return norm
+
+
+class Store:
+    """A checkpoint root on a filesystem. Every path argument is relative to the root."""
+
+    def __init__(self, url: str, fs, protocol: str, root: str):
+        self.url = url
+        self.fs = fs
+        self.protocol = protocol
+        self.root = root.rstrip("/") if root != "/" else root
+        self.stats = IOStats()
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- paths
+    @property
+    def is_local(self) -> bool:
+        return self.protocol == "file"
+
+    def full(self, rel: str = "") -> str:
+        """The filesystem path of ``rel`` (refusing escapes)."""
+        if not rel:
+            return self.root
+        rel = safe_relpath(rel, where=self.url)
+        full = posixpath.join(self.root, rel)
+        if self.is_local:
+            real_root = os.path.realpath(self.root)
+            real = os.path.realpath(full)
+            if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
+                raise UnsafeInputError(self.display(rel), "link points outside the checkpoint root")
+        return full
+
+    def display(self, rel: str = "") -> str:
+        """``rel`` as the user should see it (a URL for remote stores)."""
+        return f"{self.url}/{rel}" if rel else self.url
+
+    def child(self, rel: str) -> "Store":
+        """A store rooted at a sub-folder."""
+        return Store(self.display(rel), self.fs, self.protocol, self.full(rel))
+
+    def local_path(self, rel: str) -> str | None:
+        """A path the OS can open (for mmap), or None for remote stores."""
+        return self.full(rel) if self.is_local else None
+
+    # ---------------------------------------------------------------- errors
+    @contextlib.contextmanager
+    def _errors(self, rel: str) -> Iterator[None]:
+        shown = self.display(rel)
+        try:
+            yield
+        except FileNotFoundError:
+            raise NotFoundError(shown, "not found") from None
+        except IsADirectoryError:
+            raise StorageError(shown, "is a directory") from None
+        except PermissionError:
+            raise StorageError(shown, "permission denied") from None
+        except (UsageError, NotFoundError, StorageError, UnsafeInputError):
+            raise
+        except OSError as e:
+            raise StorageError(shown, f"I/O error: {e.strerror or type(e).__name__}") from None
+        except Exception as e:  # botocore/aiohttp errors: keep the class name, not the text
+            name = type(e).__name__
+            if "Credential" in name or "AccessDenied" in str(e)[:200]:
+                raise StorageError(shown, "access denied (check credentials)") from None
+            if "Connect" in name or "Endpoint" in name:
+                raise StorageError(shown, f"remote unreachable ({name})") from None
+            raise StorageError(shown, f"storage error ({name})") from None
+
+    # ---------------------------------------------------------------- reads
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of a file, in one request. Short if the file is."""
+        if end <= start:
+            return b""
+        with self._errors(rel):
+            data = self.fs.cat_file(self.full(rel), start=start, end=end)
+        with self._lock:
+            self.stats.reads += 1
+            self.stats.bytes_read += len(data)
+        return data
+
+    def read(self, rel: str) -> bytes:
+        """A whole (small) file."""
+        with self._errors(rel):
+            data = self.fs.cat_file(self.full(rel))
+        with self._lock:
+            self.stats.reads += 1
+            self.stats.bytes_read += len(data)
+        return data
+
+    def open(self, rel: str, mode: str = "rb", **kw):
+        """A file object (streaming reads for large files)."""
+        with self._errors(rel):
+            return self.fs.open(self.full(rel), mode, **kw)
+
+    def size(self, rel: str) -> int:
+        with self._errors(rel):
+            return int(self.fs.size(self.full(rel)))
+
+    def exists(self, rel: str = "") -> bool:
+        with self._errors(rel):
+            return bool(self.fs.exists(self.full(rel)))
+
+    def isdir(self, rel: str = "") -> bool:
+        with self._errors(rel):
+            return bool(self.fs.isdir(self.full(rel)))
+
+    def list_files(self, rel: str = "", *, recursive: bool = True) -> dict[str, int]:
+        """Every file under ``rel`` -> size, paths relative to the store root, sorted."""
+        base = self.full(rel)
+        with self._errors(rel):
+            self.stats.lists += 1
+            if recursive:
+                found = self.fs.find(base, detail=True, withdirs=False)
+            else:
+                found = {e["name"]: e for e in self.fs.ls(base, detail=True)
+                         if e.get("type") == "file"}
+        out = {}
+        prefix = self.root.rstrip("/") + "/"
+        for name, info in found.items():
+            name = name.rstrip("/")  # fsspec names S3 objects bucket/key, like our root
+            if name.startswith(prefix):
+                out[name[len(prefix):]] = int(info.get("size") or 0)
+        return dict(sorted(out.items()))
+
+    def list_dirs(self, rel: str = "") -> list[str]:
+        """Immediate sub-folders of ``rel``, relative to the store root."""
+        base = self.full(rel)
+        with self._errors(rel):
+            self.stats.lists += 1
+            entries = self.fs.ls(base, detail=True)
+        prefix = self.root.rstrip("/") + "/"
+        return sorted(e["name"].rstrip("/")[len(prefix):] for e in entries
+                      if e.get("type") == "directory" and e["name"].startswith(prefix))
+
+    def modified(self, rel: str) -> float | None:
+        """Modification time (seconds since the epoch) or None if the store has none."""
+        with self._errors(rel):
+            try:
+                ts = self.fs.modified(self.full(rel))
+            except (NotImplementedError, KeyError, AttributeError):
+                return None
+        return ts.timestamp() if ts else None
