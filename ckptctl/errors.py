@@ -17,13 +17,19 @@ EXIT_INTERRUPTED = 130
 
 
 class CkptError(Exception):
-    """Base class: a one-line, user-facing message and an exit code."""
+    """Base class: a one-line, user-facing message and an exit code.
+
+    ``code`` is the stable problem code ``verify`` reports when it meets this error
+    (``MALFORMED_METADATA``, ``PATH_ESCAPE``...); each class has a default.
+    """
 
     exit_code = EXIT_OPERATIONAL
+    default_code = "ERROR"
 
-    def __init__(self, path: str | None, message: str):
+    def __init__(self, path: str | None, message: str, *, code: str | None = None):
         self.path = path
         self.message = message
+        self.code = code or self.default_code
         super().__init__(f"{path}: {message}" if path else message)
 
 
@@ -31,6 +37,7 @@ class UsageError(CkptError):
     """Bad flag, bad layout spec, contradictory options (exit 2)."""
 
     exit_code = EXIT_USAGE
+    default_code = "USAGE"
 
     def __init__(self, message: str, path: str | None = None):
         super().__init__(path, message)
@@ -39,19 +46,37 @@ class UsageError(CkptError):
 class NotFoundError(CkptError):
     """A place, file or entry does not exist (exit 3)."""
 
+    default_code = "MISSING_FILE"
+
 
 class StorageError(CkptError):
     """I/O, permission or remote failure (exit 3)."""
 
+    default_code = "IO_ERROR"
+
 
 class FormatError(CkptError):
     """A file is not what its format says: truncated, malformed, inconsistent (exit 3)."""
+
+    default_code = "MALFORMED_METADATA"
 
 
 class UnsafeInputError(FormatError):
     """Input that tries to escape the rails: hostile pickle, path traversal,
     absurd sizes (exit 3)."""
 
+    default_code = "UNSAFE_INPUT"
+
 
 class UnsupportedFormatError(CkptError):
     """Nothing ckptctl knows matches what is at the place (exit 3)."""
+
+    default_code = "UNSUPPORTED_FORMAT"
+
+
+class Finding(CkptError):
+    """An op found a problem it was asked to look for (exit 1): seal refusing an
+    inconsistent checkpoint, a gc rail."""
+
+    exit_code = EXIT_FINDING
+    default_code = "FINDING"

@@ -2,7 +2,7 @@
 
 ``torch_ckpts`` (session scope) returns a :class:`TorchCkpts`. The generators in
 ``tests/fixtures/`` run as subprocesses (DCP layouts under one ``torch.distributed.run``
-launch with 4 CPU ranks) into ``tests/.cache/<key>/``, where ``<key>`` hashes the generator
+launch with 4 CPU ranks) into ``tests/.cache/torch/<key>/``, where ``<key>`` hashes the generator
 scripts' bytes and the torch and safetensors versions, so a second run costs nothing.
 Several pytest-xdist workers may ask at once: one generates under an ``fcntl.flock`` lock,
 into a temp dir renamed into place last; the others wait and reuse it.
@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
@@ -27,7 +27,7 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 GENERATORS = HERE / "fixtures"
-CACHE = HERE / ".cache"
+CACHE = HERE / ".cache" / "torch"  # this plugin owns (and prunes) everything in it
 SCRIPTS = ("write_dcp.py", "write_others.py", "reference.py")
 LAYOUTS = ("fsdp", "tp", "2d", "fsdp_zstd")
 STEP = 20  # the DCP dirs are <layout>/step-20
@@ -39,13 +39,13 @@ class TorchCkpts:
     """Paths of the cached fixtures; ``ckpts["2d"]`` is the DCP dir of a layout."""
 
     root: Path
-    dcp: dict[str, Path] = field(default_factory=dict)  # layout -> DCP checkpoint dir
-    full: dict[str, Path] = field(default_factory=dict)  # layout -> full_state_dict.pt
-    reference: dict[str, Path] = field(default_factory=dict)  # layout -> dcp_to_torch_save .pt
-    hf_single: Path = None  # dir: model.safetensors + config.json (every dtype)
-    hf_sharded: Path = None  # dir: 3 shards + model.safetensors.index.json + config.json
-    nested_pt: Path = None  # file: nested torch.save
-    bin: Path = None  # file: flat HF-style pytorch_model.bin (same tensors as hf_sharded)
+    dcp: dict[str, Path]  # layout -> DCP checkpoint dir (<layout>/step-20)
+    full: dict[str, Path]  # layout -> the saver's full_state_dict.pt
+    reference: dict[str, Path]  # layout -> dcp_to_torch_save of the DCP dir
+    hf_single: Path  # dir: model.safetensors + config.json (every dtype)
+    hf_sharded: Path  # dir: 3 shards + model.safetensors.index.json + config.json
+    nested_pt: Path  # file: nested torch.save
+    bin: Path  # file: flat HF-style pytorch_model.bin (same tensors as hf_sharded)
 
     @classmethod
     def at(cls, root: Path) -> "TorchCkpts":
@@ -139,6 +139,7 @@ def ensure_cache() -> Path:
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=CACHE))
+        tmp.chmod(0o755)
         try:
             generate(tmp)
             tmp.rename(final)

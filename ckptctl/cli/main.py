@@ -49,18 +49,18 @@ from . import inspect_cmd, ls_cmd  # noqa: E402,F401  (registers the commands)
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; exit with DESIGN.md's codes, never a traceback unless ``--debug``."""
-    import click
-
+    # typer vendors click; its exceptions derive from typer.TyperException
     args = sys.argv[1:] if argv is None else argv
     CTX.debug = "--debug" in args
     try:
         rv = app(args=args, prog_name="ckptctl", standalone_mode=False)
-    except click.exceptions.Abort:
+    except typer.Abort:
         print("ckptctl: interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
-    except click.ClickException as e:
+    except typer.TyperException as e:  # usage errors: bad flag, missing argument
         e.show()
-        sys.exit(EXIT_USAGE if e.exit_code == 2 else e.exit_code)
+        code = getattr(e, "exit_code", EXIT_USAGE)
+        sys.exit(EXIT_USAGE if code in (1, 2) else code)
     except KeyboardInterrupt:
         print("ckptctl: interrupted", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
@@ -77,6 +77,3 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(EXIT_OPERATIONAL)
     sys.exit(rv if isinstance(rv, int) else 0)
 
-
-if __name__ == "__main__":
-    main()

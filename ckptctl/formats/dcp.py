@@ -130,7 +130,8 @@ def read_dcp(store: Store, files: dict[str, int] | None = None, *,
     where = store.display(METADATA)
     ck_files = dict(files) if files is not None else store.list_files()
     if METADATA not in ck_files:
-        raise FormatError(where, "missing: the checkpoint was never committed")
+        raise FormatError(where, "missing: the checkpoint was never committed",
+                          code="NOT_COMMITTED")
     data = store.read(METADATA)
     md = parse_metadata(data, where=where)
     ck = checkpoint_from_metadata(md, store.url, where=where)

@@ -30,3 +30,67 @@ def read_manifest(store: Store, files: dict[str, int]) -> dict | None:
     if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
         raise FormatError(where, "manifest has no files table")
     return doc
+
+SCHEMA = 1
+
+#: Names a writer uses while a file is not yet committed; never part of a checkpoint.
+TEMP_PATTERNS = ("*.tmp", "*.tmp-*", ".*.tmp", "*.partial", "*.part", "*.incomplete",
+                 ".metadata.tmp", "*.lock")
+
+
+def is_temp_name(rel: str) -> bool:
+    """Is ``rel`` a writer's temporary file (``.metadata.tmp``, ``x.partial``...)?
+
+    >>> is_temp_name(".metadata.tmp"), is_temp_name("a/.ckptctl.manifest.json.x1.tmp"), is_temp_name("__0_0.distcp")
+    (True, True, False)
+    """
+    import fnmatch
+
+    base = rel.rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatchcase(base, p) for p in TEMP_PATTERNS)
+
+
+def logical_digest(ck, algo: str = "xxh3-128") -> str:
+    """A digest of the logical model: names, dtypes, shapes, chunk boxes and byte extents.
+
+    Two checkpoints with the same digest describe the same tensors laid out the same way.
+    """
+    from ..storage import digest_bytes
+
+    rows = []
+    for t in sorted(ck.tensors.values(), key=lambda t: t.name):
+        rows.append(["t", t.name, t.dtype.name, list(t.shape),
+                     sorted([list(c.offsets), list(c.sizes), c.extent.file, c.extent.offset,
+                             c.extent.length, c.extent.encoding] for c in t.chunks)])
+    for o in sorted(ck.objects.values(), key=lambda o: o.name):
+        e = o.extent
+        rows.append(["o", o.name] + ([e.file, e.offset, e.length] if e else []))
+    return digest_bytes(json.dumps(rows, separators=(",", ":")).encode(), algo)
+
+
+def build_manifest(ck, hashes: dict[str, tuple[str, int]], *, algo: str, step: int | None,
+                   tags: list[str], tool_version: str, created: str, summary: dict) -> dict:
+    """The manifest document of a checkpoint whose files hash to ``hashes``."""
+    return {
+        "schema": SCHEMA,
+        "tool": f"ckptctl {tool_version}",
+        "format": ck.format,
+        "step": step,
+        "tags": sorted(set(tags)),
+        "created": created,
+        "hash": algo,
+        "files": {rel: {"size": size, "hash": digest} for rel, (digest, size) in sorted(hashes.items())},
+        "summary": summary,
+    }
+
+
+def serialize(doc: dict) -> bytes:
+    """Canonical bytes: sorted keys, fixed separators, a trailing newline."""
+    return (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode()
+
+
+def manifest_id(data: bytes, algo: str = "xxh3-128") -> str:
+    """The checkpoint's identity: ``<algo>:<digest of the manifest's bytes>``."""
+    from ..storage import digest_bytes
+
+    return f"{algo}:{digest_bytes(data, algo)}"

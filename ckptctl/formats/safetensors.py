@@ -66,17 +66,20 @@ def parse_header(head: bytes, file_size: int, *, where: str) -> tuple[dict, int]
             raise FormatError(where, f"{name}: {offs[1] - offs[0]} bytes stored, "
                               f"{nbytes} expected for {e['dtype']}{shape}")
         if offs[1] > data_size:
-            raise FormatError(where, f"{name}: data_offsets run past the end of the file")
+            raise FormatError(where, f"{name}: data_offsets run past the end of the file",
+                              code="OUT_OF_BOUNDS")
         spans.append((offs[0], offs[1], name))
     spans.sort()
     pos = 0
     for b, e, name in spans:
         if b != pos:
             what = "overlaps the previous tensor" if b < pos else "leaves a gap before it"
-            raise FormatError(where, f"{name}: data {what}")
+            raise FormatError(where, f"{name}: data {what}",
+                              code="CHUNK_OVERLAP" if b < pos else "CHUNK_GAP")
         pos = e
     if pos != data_size:
-        raise FormatError(where, f"{data_size - pos} trailing bytes after the last tensor")
+        raise FormatError(where, f"{data_size - pos} trailing bytes after the last tensor",
+                          code="CHUNK_GAP")
     return header, data_start
 
 
@@ -88,7 +91,8 @@ def header_length(head: bytes, file_size: int, *, where: str) -> int:
     if n > MAX_SAFETENSORS_HEADER:
         raise UnsafeInputError(where, f"header length {n} exceeds the 100 MB limit")
     if 8 + n > file_size:
-        raise FormatError(where, f"header length {n} is larger than the file ({file_size} bytes)")
+        raise FormatError(where, f"header length {n} is larger than the file ({file_size} bytes)",
+                          code="SIZE_MISMATCH")
     return n
 
 
@@ -109,7 +113,8 @@ def _add_file(ck: Checkpoint, store: Store, rel: str, size: int, only: set[str] 
         ck.info.setdefault("metadata", {})[rel] = meta
     for name, e in header.items():
         if only is not None and name not in only:
-            raise FormatError(store.display(rel), f"{name}: not listed for this file in {INDEX}")
+            raise FormatError(store.display(rel), f"{name}: not listed for this file in {INDEX}",
+                              code="INDEX_MISMATCH")
         if name in ck.tensors:
             raise FormatError(store.display(rel), f"{name}: also stored in another file")
         b, end = e["data_offsets"]
@@ -138,7 +143,7 @@ def read_safetensors(store: Store, files: dict[str, int], only_file: str | None 
         missing = {n for names in wanted.values() for n in names} - set(ck.tensors)
         if missing:
             raise FormatError(store.display(INDEX), f"{sorted(missing)[0]}: listed in weight_map "
-                              f"but in no shard ({len(missing)} such)")
+                              f"but in no shard ({len(missing)} such)", code="INDEX_MISMATCH")
         return ck
     for rel, size in files.items():
         if rel.endswith(".safetensors") and "/" not in rel:

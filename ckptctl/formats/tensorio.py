@@ -90,6 +90,59 @@ def chunk_bytes(ck: Checkpoint, t: TensorEntry, c: Chunk) -> memoryview:
     return data
 
 
+def payload_location(ck: Checkpoint, ext: Extent) -> tuple[int, int]:
+    """(absolute offset, length) of an uncompressed extent's tensor bytes in its file.
+
+    For a DCP chunk zip this costs two small reads (the zip's tail, then one local
+    header), cached per checkpoint; the tensor bytes themselves are not read.
+    """
+    if ext.encoding == "raw":
+        return ext.offset, ext.length
+    if ext.encoding != "torch_zip":
+        raise FormatError(ck.store.display(ext.file), f"{ext.encoding} bytes cannot be sliced")
+    cache = ck.info.setdefault("payload_locations", {})
+    if ext in cache:
+        return cache[ext]
+    from .torchzip import TAIL_GUESS, payload_entry
+
+    where = ck.store.display(ext.file)
+    end = ext.offset + ext.length
+    tail = ck.store.read_range(ext.file, max(ext.offset, end - TAIL_GUESS), end)
+    entries, need = central_directory(tail, ext.length, where=where)
+    if need:
+        tail = ck.store.read_range(ext.file, end - need, end)
+        entries, _ = central_directory(tail, ext.length, where=where)
+    en = payload_entry(entries, where=where)
+    from .torchzip import local_data_offset
+
+    head = ck.store.read_range(ext.file, ext.offset + en.header_offset,
+                               ext.offset + en.header_offset + 512)
+    off = local_data_offset(head, en, where=where)
+    if off + en.usize > ext.length:
+        raise FormatError(where, "tensor record runs past the end of its zip")
+    cache[ext] = (ext.offset + off, en.usize)
+    return cache[ext]
+
+
+def read_rows(ck: Checkpoint, t: TensorEntry, c: Chunk, start: int, stop: int) -> memoryview:
+    """Rows ``[start, stop)`` (along dim 0, relative to the chunk) of a chunk's bytes,
+    reading only those bytes where the encoding allows (raw, DCP zip); zstd chunks and
+    torch.save entries are read whole and sliced."""
+    if not c.sizes:
+        return chunk_bytes(ck, t, c)
+    row = t.dtype.nbytes(c.numel // c.sizes[0]) if c.sizes[0] else 0
+    if c.extent.encoding in ("raw", "torch_zip"):
+        off, length = payload_location(ck, c.extent)
+        if length != t.dtype.nbytes(c.numel):
+            raise FormatError(ck.store.display(c.extent.file),
+                              f"{t.name}: chunk holds {length} bytes, {t.dtype.nbytes(c.numel)} expected")
+        data = ck.store.read_range(c.extent.file, off + start * row, off + stop * row)
+        if len(data) != (stop - start) * row:
+            raise FormatError(ck.store.display(c.extent.file), f"{t.name}: file is truncated")
+        return memoryview(data)
+    return chunk_bytes(ck, t, c)[start * row:stop * row]
+
+
 def read_tensor(ck: Checkpoint, name: str, *, workers: int = 4) -> np.ndarray:
     """The whole tensor as a numpy array of opaque elements, shaped like the tensor.
 

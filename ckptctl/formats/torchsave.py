@@ -4,8 +4,8 @@ mmap=True)`` and flattened to dotted names the way DCP flattens a state dict
 
 This is the one reader that imports torch; it does so only when called.
 
->>> flatten({"a": {"b": 1, "c": [2, 3]}})
-{'a.b': 1, 'a.c.0': 2, 'a.c.1': 3}
+>>> flatten({"a": {"b": 1, "c": [2, 3], "d": [{"e": 4}]}})
+{'a.b': 1, 'a.c': [2, 3], 'a.d.0.e': 4}
 """
 from __future__ import annotations
 
@@ -24,13 +24,19 @@ def is_torch_file(name: str) -> bool:
     return name.endswith(SUFFIXES) and "/" not in name
 
 
+def _container_or_tensor(v) -> bool:
+    return isinstance(v, (dict, list, tuple)) or (hasattr(v, "dtype") and hasattr(v, "shape"))
+
+
 def flatten(obj, prefix: str = "") -> dict[str, object]:
-    """Flatten nested dicts/lists/tuples to dotted keys; other values are leaves."""
+    """Flatten nested dicts to dotted keys, as DCP does. Lists and tuples are descended
+    into when they hold tensors or containers (DCP would pickle those whole); lists of
+    plain values stay one entry, as in DCP (``optim.param_groups.0.params``)."""
     out: dict[str, object] = {}
     if isinstance(obj, dict) and obj:
         for k, v in obj.items():
             out.update(flatten(v, f"{prefix}{k}."))
-    elif isinstance(obj, (list, tuple)) and obj:
+    elif isinstance(obj, (list, tuple)) and obj and any(_container_or_tensor(v) for v in obj):
         for i, v in enumerate(obj):
             out.update(flatten(v, f"{prefix}{i}."))
     else:

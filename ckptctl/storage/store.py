@@ -82,6 +82,12 @@ def _s3_options(options: dict) -> dict:
             "client_kwargs", {}):
         opts["endpoint_url"] = endpoint
     opts.update(options)
+    # botocore validates full-object CRCs on ranged GETs against servers (rclone) that send
+    # them for the whole object, and fails; ckptctl verifies content with its own hashes.
+    cfg = {"response_checksum_validation": "when_required",
+           "request_checksum_calculation": "when_required"}
+    cfg.update(opts.get("config_kwargs") or {})
+    opts["config_kwargs"] = cfg
     return opts
 
 
@@ -122,7 +128,8 @@ def safe_relpath(rel: str, *, where: str = "") -> str:
            or (len(rel) > 1 and rel[1] == ":"))
     norm = posixpath.normpath(rel) if not bad else rel
     if bad or norm == ".." or norm.startswith("../") or norm == ".":
-        raise UnsafeInputError(where or None, f"path {rel!r} escapes the checkpoint root")
+        raise UnsafeInputError(where or None, f"path {rel!r} escapes the checkpoint root",
+                               code="PATH_ESCAPE")
     return norm
 
 
@@ -152,7 +159,8 @@ class Store:
             real_root = os.path.realpath(self.root)
             real = os.path.realpath(full)
             if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
-                raise UnsafeInputError(self.display(rel), "link points outside the checkpoint root")
+                raise UnsafeInputError(self.display(rel), "link points outside the checkpoint root",
+                                      code="PATH_ESCAPE")
         return full
 
     def display(self, rel: str = "") -> str:
@@ -265,3 +273,64 @@ class Store:
             except (NotImplementedError, KeyError, AttributeError):
                 return None
         return ts.timestamp() if ts else None
+
+    # ---------------------------------------------------------------- writes
+    def write_atomic(self, rel: str, data: bytes, *, exclusive: bool = False) -> None:
+        """Publish a small file all at once: readers see nothing or all of it.
+
+        POSIX: temp file in the same folder, fsync, then rename (``exclusive``: link, which
+        fails if the name exists), then fsync the folder. S3: one PUT, with
+        ``If-None-Match: *`` when ``exclusive`` (servers that ignore it are caught by the
+        read-back check of the caller).
+        """
+        full = self.full(rel)
+        if self.is_local:
+            self._write_atomic_local(rel, full, data, exclusive)
+            return
+        with self._errors(rel):
+            try:
+                self.fs.pipe_file(full, data, mode="create" if exclusive else "overwrite")
+            except FileExistsError:
+                from ..errors import Finding
+                raise Finding(self.display(rel), "already exists (another writer committed it)",
+                              code="ALREADY_EXISTS") from None
+
+    def _write_atomic_local(self, rel: str, full: str, data: bytes, exclusive: bool) -> None:
+        import tempfile
+
+        folder = os.path.dirname(full)
+        with self._errors(rel):
+            os.makedirs(folder, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(full)}.", suffix=".tmp",
+                                       dir=folder)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                if exclusive:
+                    try:
+                        os.link(tmp, full)
+                    except FileExistsError:
+                        from ..errors import Finding
+                        raise Finding(self.display(rel), "already exists (another writer "
+                                      "committed it)", code="ALREADY_EXISTS") from None
+                else:
+                    os.replace(tmp, full)
+                    tmp = None
+            finally:
+                if tmp is not None and os.path.exists(tmp):
+                    os.unlink(tmp)
+            dfd = os.open(folder, os.O_RDONLY)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+
+    def remove(self, rel: str) -> None:
+        """Delete one file (missing is fine)."""
+        with self._errors(rel):
+            try:
+                self.fs.rm_file(self.full(rel))
+            except FileNotFoundError:
+                pass

@@ -1,0 +1,4 @@
+"""``python -m ckptctl``."""
+from .cli.main import main
+
+main()

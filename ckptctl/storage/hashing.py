@@ -1,0 +1,111 @@
+"""Content hashes of files, streamed with bounded memory.
+
+xxh3-128 by default (10+ GB/s here), sha256 on request. Local files are read with
+``readinto`` into reused buffers by a reader thread while the caller's thread hashes the
+previous buffer, so disk and CPU overlap; remote files stream through fsspec.
+
+>>> import tempfile, pathlib
+>>> d = tempfile.mkdtemp(); _ = pathlib.Path(d, "f").write_bytes(b"abc")
+>>> from ckptctl.storage import open_store
+>>> hash_file(open_store(d), "f", "sha256")[0][:16]
+'ba7816bf8f01cfea'
+"""
+from __future__ import annotations
+
+import hashlib
+import queue
+import threading
+from typing import Callable
+
+from ..errors import UsageError
+from .store import Store
+
+ALGORITHMS = ("xxh3-128", "sha256")
+BLOCK = 8 << 20  # 8 MiB: large enough for the hashers, small enough to keep memory flat
+
+
+def new_hasher(algo: str):
+    """A hashlib-like object for ``xxh3-128`` or ``sha256``."""
+    if algo in ("xxh3-128", "xxh3", "xxh128"):
+        import xxhash
+
+        return xxhash.xxh3_128()
+    if algo == "sha256":
+        return hashlib.sha256()
+    raise UsageError(f"unknown hash {algo!r} (choose from {', '.join(ALGORITHMS)})")
+
+
+def normalize_algo(algo: str) -> str:
+    """``xxh3`` -> ``xxh3-128``; validates the name."""
+    algo = {"xxh3": "xxh3-128", "xxh128": "xxh3-128"}.get(algo, algo)
+    new_hasher(algo)
+    return algo
+
+
+def digest_bytes(data: bytes, algo: str = "xxh3-128") -> str:
+    h = new_hasher(algo)
+    h.update(data)
+    return h.hexdigest()
+
+
+def _local_blocks(path: str, on_bytes: Callable[[int], None] | None):
+    """Yield memoryviews of successive blocks, read ahead by one block in a thread."""
+    bufs = [bytearray(BLOCK) for _ in range(3)]
+    filled: queue.Queue = queue.Queue(maxsize=2)
+    free: queue.Queue = queue.Queue()
+    for b in bufs:
+        free.put(b)
+    err: list[BaseException] = []
+
+    def reader():
+        try:
+            with open(path, "rb", buffering=0) as f:
+                while True:
+                    buf = free.get()
+                    n = f.readinto(buf)
+                    if not n:
+                        break
+                    filled.put((buf, n))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            err.append(e)
+        finally:
+            filled.put(None)
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    while True:
+        item = filled.get()
+        if item is None:
+            break
+        buf, n = item
+        yield memoryview(buf)[:n]
+        if on_bytes:
+            on_bytes(n)
+        free.put(buf)
+    t.join()
+    if err:
+        raise err[0]
+
+
+def hash_file(store: Store, rel: str, algo: str = "xxh3-128",
+              on_bytes: Callable[[int], None] | None = None) -> tuple[str, int]:
+    """(hex digest, bytes hashed) of one file."""
+    h = new_hasher(algo)
+    total = 0
+    path = store.local_path(rel)
+    with store._errors(rel):
+        if path is not None:
+            for block in _local_blocks(path, on_bytes):
+                h.update(block)
+                total += len(block)
+        else:
+            with store.fs.open(store.full(rel), "rb", block_size=BLOCK) as f:
+                while block := f.read(BLOCK):
+                    h.update(block)
+                    total += len(block)
+                    if on_bytes:
+                        on_bytes(len(block))
+    with store._lock:
+        store.stats.bytes_read += total
+        store.stats.reads += 1
+    return h.hexdigest(), total
