@@ -24,6 +24,9 @@ demo: venv
 	$(BIN)/ckptctl ls $(DEMO)/run1
 	$(BIN)/ckptctl inspect $(DEMO)/run1/$$(ls $(DEMO)/run1 | head -1)
 	$(BIN)/ckptctl inspect $(DEMO)/run1/$$(ls $(DEMO)/run1 | head -1) --tree --filter 'model.layers.0.*'
+	$(BIN)/ckptctl seal $(DEMO)/run1/$$(ls $(DEMO)/run1 | head -1) --tag demo
+	$(BIN)/ckptctl verify $(DEMO)/run1/$$(ls $(DEMO)/run1 | head -1) --level full --check-finite
+	$(BIN)/ckptctl ls $(DEMO)/run1
 
 test: venv
 	$(BIN)/python -m pytest -n 2 -q

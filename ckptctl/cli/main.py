@@ -44,7 +44,7 @@ def _global(
     CTX.debug = debug
 
 
-from . import inspect_cmd, ls_cmd  # noqa: E402,F401  (registers the commands)
+from . import inspect_cmd, ls_cmd, verify_cmd  # noqa: E402,F401  (registers the commands)
 
 
 def main(argv: list[str] | None = None) -> None:

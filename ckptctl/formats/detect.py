@@ -72,12 +72,13 @@ def locate(url: str, storage_options: dict | None = None) -> tuple[Store, dict[s
 
 
 def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bool = True,
-                    read_step: bool = True) -> Checkpoint:
+                    read_step: bool = True, located: tuple | None = None) -> Checkpoint:
     """Open whatever checkpoint is at ``url``: format detection, metadata, manifest, step.
 
     Reads metadata only: a DCP checkpoint costs one listing and one or two GETs.
+    ``located``: what :func:`locate` returned, to save listing again.
     """
-    store, files, single = locate(url, storage_options)
+    store, files, single = located or locate(url, storage_options)
     fmt = _file_format(single) if single else detect_format(files)
     if fmt == "dcp":
         ck = dcp.read_dcp(store, files, strict=strict)

@@ -4,6 +4,9 @@
 """
 from .inspect import InspectResult, inspect, summarize
 from .ls import LsResult, ls
+from .seal import SealResult, seal
 from .state import checkpoint_state
+from .verify import PROBLEM_CODES, Problem, VerifyResult, verify
 
-__all__ = ["InspectResult", "LsResult", "checkpoint_state", "inspect", "ls", "summarize"]
+__all__ = ["InspectResult", "LsResult", "PROBLEM_CODES", "Problem", "SealResult", "VerifyResult",
+           "checkpoint_state", "inspect", "ls", "seal", "summarize", "verify"]

@@ -78,9 +78,8 @@ def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> L
     def row(rel: str) -> CheckpointRow:
         url = store.display(rel) if rel else store.url
         rep = checkpoint_state(url, storage_options)
-        ck = rep.checkpoint
-        step = ck.step if ck is not None and ck.step is not None else step_from_name(rel or root)
-        fmt = ck.format if ck is not None else detect_format(
+        step = rep.step if rep.step is not None else step_from_name(rel or root)
+        fmt = rep.format or detect_format(
             {posixpath.relpath(k, rel) if rel else k: v for k, v in groups[rel].items()})
         mtime = None
         marker = max(groups[rel], key=lambda k: (k.endswith((MANIFEST, ".metadata")), k))

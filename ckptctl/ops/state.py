@@ -1,61 +1,42 @@
-"""What state a checkpoint is in: ``sealed``, ``complete``, ``incomplete`` or ``corrupt``.
+"""What state a checkpoint is in, from ``verify --level quick``'s findings:
 
-* sealed: a ckptctl manifest is present and every file it lists is there at its size;
-* complete: the format's own commit marker is there and parses (DCP ``.metadata``,
-  safetensors headers, HF index), every data file it names is present;
-* incomplete: the commit marker or a data file is missing (a write in progress, or a crash);
-* corrupt: something is there but wrong (unparsable metadata, wrong sizes).
+* ``sealed``: a ckptctl manifest is present and every file it lists is there at its size;
+* ``complete``: the format's own commit marker is there and parses (DCP ``.metadata``,
+  safetensors headers, HF index), every data file it names is present and long enough;
+* ``incomplete``: the commit marker or a data file is missing (a write in progress, a crash);
+* ``corrupt``: something is there but wrong (unparsable metadata, wrong sizes).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import CkptError, FormatError, NotFoundError
-from ..formats import open_checkpoint
-from ..model import Checkpoint
+from .verify import verify
 
 SEALED, COMPLETE, INCOMPLETE, CORRUPT = "sealed", "complete", "incomplete", "corrupt"
+_INCOMPLETE_CODES = {"NOT_COMMITTED", "MISSING_FILE"}
 
 
 @dataclass
 class StateReport:
     state: str
     reason: str
-    checkpoint: Checkpoint | None
-
-
-def manifest_problems(ck: Checkpoint) -> list[str]:
-    """Files the manifest lists that are missing or of another size."""
-    man = ck.info.get("manifest") or {}
-    out = []
-    for rel, rec in man.get("files", {}).items():
-        size = rec.get("size") if isinstance(rec, dict) else None
-        if rel not in ck.files:
-            out.append(f"{rel}: missing")
-        elif size is not None and ck.files[rel] != size:
-            out.append(f"{rel}: {ck.files[rel]} bytes, manifest says {size}")
-    return out
+    format: str | None
+    step: int | None
 
 
 def checkpoint_state(url: str, storage_options: dict | None = None) -> StateReport:
     """Classify the checkpoint at ``url`` from its metadata (no tensor data is read).
 
-    >>> checkpoint_state("/nonexistent/x").state        # doctest: +SKIP
-    'incomplete'
+    >>> checkpoint_state("ckpt/step-100").state             # doctest: +SKIP
+    'complete'
     """
-    try:
-        ck = open_checkpoint(url, storage_options, read_step=False)
-    except NotFoundError as e:
-        return StateReport(INCOMPLETE, str(e), None)
-    except FormatError as e:
-        if "never committed" in e.message:
-            return StateReport(INCOMPLETE, str(e), None)
-        return StateReport(CORRUPT, str(e), None)
-    except CkptError as e:
-        return StateReport(CORRUPT, str(e), None)
-    if ck.info.get("manifest") is not None:
-        probs = manifest_problems(ck)
-        if probs:
-            return StateReport(CORRUPT, probs[0], ck)
-        return StateReport(SEALED, "manifest present, files match", ck)
-    return StateReport(COMPLETE, "format metadata present and consistent", ck)
+    r = verify(url, storage_options, level="quick")
+    errors = [p for p in r.problems if p.severity == "error"]
+    if not errors:
+        return StateReport(SEALED if r.sealed else COMPLETE,
+                           "manifest present, files match" if r.sealed else
+                           "format metadata present and consistent", r.format, r.step)
+    first = errors[0]
+    reason = f"{first.code}: {first.path + ': ' if first.path else ''}{first.message}"
+    state = INCOMPLETE if any(p.code in _INCOMPLETE_CODES for p in errors) else CORRUPT
+    return StateReport(state, reason, r.format, r.step)

@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..errors import NotFoundError, StorageError, UnsafeInputError, UsageError
+from ..errors import CkptError, NotFoundError, StorageError, UnsafeInputError, UsageError
 
 _REMOTE_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "http", "https", "memory")
 
@@ -187,7 +187,7 @@ class Store:
             raise StorageError(shown, "is a directory") from None
         except PermissionError:
             raise StorageError(shown, "permission denied") from None
-        except (UsageError, NotFoundError, StorageError, UnsafeInputError):
+        except CkptError:
             raise
         except OSError as e:
             raise StorageError(shown, f"I/O error: {e.strerror or type(e).__name__}") from None
