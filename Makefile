@@ -7,7 +7,7 @@ DEMO := demo-out
 # pip prints a warning per package for the machine's extra local indexes; keep logs readable.
 PIP := $(BIN)/pip install -q --disable-pip-version-check
 
-.PHONY: venv demo test test-slow bench clean docs
+.PHONY: venv demo test test-slow bench clean docs docs-check
 
 venv: $(STAMP)
 
@@ -33,6 +33,12 @@ test: venv
 
 test-slow: venv
 	$(BIN)/python -m pytest -q -m slow
+
+docs: venv
+	$(BIN)/python -m ckptctl.cli.docs
+
+docs-check: venv
+	$(BIN)/python -m ckptctl.cli.docs --check
 
 clean:
 	rm -rf $(VENV) $(DEMO) tests/.cache

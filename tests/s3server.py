@@ -233,13 +233,13 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 os.kill(self.pid, 9)
                 self._proc.wait()
-        _RUNNING.discard(self)
+        if self in _RUNNING:
+            _RUNNING.remove(self)
+            if self.log_path is not None:
+                shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
-    def __hash__(self):
-        return self.pid
 
-
-_RUNNING: set[S3Server] = set()
+_RUNNING: list[S3Server] = []
 atexit.register(lambda: [s.stop() for s in list(_RUNNING)])
 
 
@@ -266,7 +266,6 @@ def _tail(path: Path, n: int = 2000) -> str:
 
 def _start(kind: str, argv_for_port, root: Path | None, timeout: float) -> S3Server:
     logdir = Path(tempfile.mkdtemp(prefix=f"s3server-{kind}-"))
-    errors = []
     for attempt in range(5):
         port = free_port()
         log_path = logdir / f"server-{attempt}.log"
@@ -291,18 +290,18 @@ def _start(kind: str, argv_for_port, root: Path | None, timeout: float) -> S3Ser
                 direct_endpoint_url=f"http://127.0.0.1:{port}", log_path=log_path,
                 _proc=proc, _proxy=proxy,
             )
-            _RUNNING.add(srv)
+            _RUNNING.append(srv)
             return srv
         if proc.poll() is None:  # timed out: kill it and report
             proc.kill()
             proc.wait()
-            raise RuntimeError(f"{kind} S3 server did not answer on 127.0.0.1:{port} within "
-                               f"{timeout:.0f} s; log tail:\n{_tail(log_path)}")
-        tail = _tail(log_path)
-        errors.append(f"exit {proc.returncode}: {tail}")
-        if "in use" not in tail.lower():  # only a port collision is worth a retry
+            error = f"did not answer on 127.0.0.1:{port} within {timeout:.0f} s; log tail:\n{_tail(log_path)}"
             break
-    raise RuntimeError(f"{kind} S3 server failed to start; last log tail:\n{errors[-1]}")
+        error = f"exited with {proc.returncode}; log tail:\n{_tail(log_path)}"
+        if "in use" not in error.lower():  # only a port collision is worth a retry
+            break
+    shutil.rmtree(logdir, ignore_errors=True)
+    raise RuntimeError(f"{kind} S3 server failed to start: {error}")
 
 
 def start_rclone(root_dir, timeout: float = 30) -> S3Server:

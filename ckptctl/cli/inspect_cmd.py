@@ -12,7 +12,7 @@ from .main import app
 
 @app.command()
 def inspect(
-    url: str = typer.Argument(..., help="Checkpoint folder or file: path, file://, s3://..."),
+    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder or file: path, file://, s3://..."),
     json: bool = JsonOpt,
     tensors: bool = typer.Option(False, "--tensors", help="List every tensor."),
     tree: bool = typer.Option(False, "--tree", help="Group tensors by module prefix."),

@@ -12,7 +12,7 @@ from .main import app
 
 @app.command()
 def ls(
-    root: str = typer.Argument(..., help="Folder or prefix holding checkpoints."),
+    root: str = typer.Argument(..., metavar="ROOT", help="Folder or prefix holding checkpoints."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,

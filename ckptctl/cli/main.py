@@ -12,15 +12,16 @@ from .common import CTX
 
 EXIT_STATUS = """\b
 EXIT STATUS
-  0  success (verify/diff: nothing wrong, no difference)
-  1  a finding (verify found a problem, diff a difference, gc a rail)
+  0  success (verify: nothing wrong)
+  1  a finding (verify found a problem, seal refused an inconsistent checkpoint)
   2  usage error
   3  operational error (not found, I/O, unreadable or unsupported input)
   130 interrupted"""
 
 app = typer.Typer(
     name="ckptctl",
-    help="git + rclone + restic for training checkpoints: inspect, verify, convert, move.\n\n"
+    help="git + rclone + restic for training checkpoints: inspect, seal and verify, "
+         "reshard and consolidate.\n\n"
          + EXIT_STATUS,
     no_args_is_help=True,
     add_completion=True,
@@ -44,14 +45,16 @@ def _global(
     CTX.debug = debug
 
 
-from . import inspect_cmd, ls_cmd, verify_cmd  # noqa: E402,F401  (registers the commands)
+from . import convert_cmd, inspect_cmd, ls_cmd, verify_cmd  # noqa: E402,F401  (registers)
 
 
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; exit with DESIGN.md's codes, never a traceback unless ``--debug``."""
     # typer vendors click; its exceptions derive from typer.TyperException
-    args = sys.argv[1:] if argv is None else argv
+    args = list(sys.argv[1:] if argv is None else argv)
     CTX.debug = "--debug" in args
+    if CTX.debug:  # accepted anywhere on the line, not only before the command
+        args = ["--debug"] + [a for a in args if a != "--debug"]
     try:
         rv = app(args=args, prog_name="ckptctl", standalone_mode=False)
     except typer.Abort:

@@ -1,6 +1,7 @@
 """``ckptctl verify URL`` and ``ckptctl seal URL``: integrity for CI gates."""
 from __future__ import annotations
 
+from enum import Enum
 from typing import List, Optional
 
 import typer
@@ -12,24 +13,36 @@ from .main import app
 from .progress import byte_progress
 
 
+class Level(str, Enum):
+    quick = "quick"
+    structure = "structure"
+    full = "full"
+
+
+class HashAlgo(str, Enum):
+    xxh3 = "xxh3-128"
+    sha256 = "sha256"
+
+
 @app.command()
 def verify(
-    url: str = typer.Argument(..., help="Checkpoint folder or file: path, file://, s3://..."),
-    level: str = typer.Option("structure", "--level", "-l",
-                              help="quick | structure | full (each includes the previous)."),
+    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder or file: path, file://, s3://..."),
+    level: Level = typer.Option(Level.structure, "--level", "-l",
+                                help="How deep to check; each level includes the previous."),
     require: Optional[str] = typer.Option(None, "--require", metavar="PARTS",
-                                          help="Comma list of state parts that must be present: "
+                                          help="Comma-separated state parts that must be present: "
                                                "model,optim,lr_scheduler,rng,step,dataloader."),
     check_finite: bool = typer.Option(False, "--check-finite",
                                       help="Count NaN/Inf per floating tensor (reads all data)."),
     sample: Optional[float] = typer.Option(None, "--sample", metavar="FRACTION",
-                                           help="With --level full: check a deterministic subset."),
+                                           help="With --level full: check a deterministic "
+                                                "fraction (0-1] of the files (default: all)."),
     workers: int = typer.Option(4, "--workers", help="Parallel readers/hashers."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
 ):
-    """Check a checkpoint. Exit 0 when clean, 1 on any finding, 3 when unreadable.
+    """Check a checkpoint's integrity: exit 0 clean, 1 on any finding, 3 unreadable.
 
     \b
     quick      commit state, files present at their sizes, stray temp files
@@ -40,8 +53,8 @@ def verify(
 
     CTX.quiet = quiet
     opts = storage_options(storage_option)
-    with byte_progress("verify", None, enabled=level == "full" and not (json or quiet)) as cb:
-        r = do_verify(url, opts, level=level, require=require, check_finite=check_finite,
+    with byte_progress("verify", None, enabled=level == Level.full and not (json or quiet)) as cb:
+        r = do_verify(url, opts, level=level.value, require=require, check_finite=check_finite,
                       sample=sample, workers=workers, on_bytes=cb)
     if json:
         emit_json(r.to_dict())
@@ -60,10 +73,12 @@ def verify(
 
 @app.command()
 def seal(
-    url: str = typer.Argument(..., help="Checkpoint folder: path, file://, s3://..."),
-    hash: str = typer.Option("xxh3-128", "--hash", help="xxh3-128 (fast) or sha256."),
-    step: Optional[int] = typer.Option(None, "--step", help="Record this step (default: found)."),
-    tag: Optional[List[str]] = typer.Option(None, "--tag", help="Tag to record, repeatable."),
+    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder: path, file://, s3://..."),
+    hash: HashAlgo = typer.Option(HashAlgo.xxh3, "--hash", help="Content hash of each file."),
+    step: Optional[int] = typer.Option(None, "--step", help="Step to record (default: the "
+                                       "checkpoint's step entry, else its name)."),
+    tag: Optional[List[str]] = typer.Option(None, "--tag", metavar="TAG",
+                                            help="Tag to record, repeatable."),
     workers: int = typer.Option(4, "--workers", help="Parallel hashers."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -78,7 +93,7 @@ def seal(
 
     CTX.quiet = quiet
     with byte_progress("seal", None, enabled=not (json or quiet)) as cb:
-        r = do_seal(url, storage_options(storage_option), hash=hash, step=step, tags=tag or [],
+        r = do_seal(url, storage_options(storage_option), hash=hash.value, step=step, tags=tag or [],
                     workers=workers, on_bytes=cb)
     if json:
         emit_json(r.to_dict())

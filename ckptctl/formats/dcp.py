@@ -94,6 +94,10 @@ def checkpoint_from_metadata(md: Record, root: str, *, where: str = METADATA) ->
         by_key[key] = _extent(info, where, fqn)
     ck = Checkpoint(root=root, format="dcp")
     ck.info["version"] = md.__dict__.get("version")
+    pd = md.__dict__.get("planner_data")
+    if isinstance(pd, dict):  # flattened key -> path in the original nested state dict
+        ck.info["paths"] = {k: tuple(v) for k, v in pd.items()
+                            if isinstance(k, str) and isinstance(v, (tuple, list))}
     for fqn, meta in sdm.items():
         if not isinstance(fqn, str):
             raise FormatError(where, "state dict key is not a string")

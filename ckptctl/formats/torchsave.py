@@ -28,6 +28,20 @@ def _container_or_tensor(v) -> bool:
     return isinstance(v, (dict, list, tuple)) or (hasattr(v, "dtype") and hasattr(v, "shape"))
 
 
+def flatten_paths(obj, path: tuple = ()) -> dict[str, tuple]:
+    """Flattened name -> path of keys/indices in the nested object (DCP's planner_data)."""
+    out: dict[str, tuple] = {}
+    if isinstance(obj, dict) and obj:
+        for k, v in obj.items():
+            out.update(flatten_paths(v, path + (k,)))
+    elif isinstance(obj, (list, tuple)) and obj and any(_container_or_tensor(v) for v in obj):
+        for i, v in enumerate(obj):
+            out.update(flatten_paths(v, path + (i,)))
+    else:
+        out[".".join(str(p) for p in path)] = path
+    return out
+
+
 def flatten(obj, prefix: str = "") -> dict[str, object]:
     """Flatten nested dicts to dotted keys, as DCP does. Lists and tuples are descended
     into when they hold tensors or containers (DCP would pickle those whole); lists of
@@ -103,6 +117,7 @@ def read_torch(store: Store, files: dict[str, int], only_file: str | None = None
                 ck.objects[name] = ObjectEntry(name, ext, value=value,
                                                type_name=type(value).__name__)
     ck.info["loaded"] = {rel: flatten(obj) for rel, obj in loaded.items()}
+    ck.info["paths"] = {k: v for obj in loaded.values() for k, v in flatten_paths(obj).items()}
     return ck
 
 

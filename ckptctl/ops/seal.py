@@ -98,12 +98,25 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str = "xxh3-128
         if size != files[rel]:
             raise Finding(store.display(rel), "changed size while being sealed: is a writer "
                           "still running?", code="SIZE_MISMATCH")
+    mid = write_manifest(store, ck, hashes, algo=algo, step=step, tags=tags or [])
+    return SealResult(url, "sealed", mid, ck.format, step, algo,
+                      len(hashes), sum(size for _, size in hashes.values()),
+                      round(time.monotonic() - t0, 3))
+
+
+def write_manifest(store, ck, hashes: dict[str, tuple[str, int]], *, algo: str,
+                   step: int | None, tags: list[str]) -> str:
+    """Commit a checkpoint: write its manifest last, exclusively; return its id.
+
+    ``hashes`` maps every file to (digest, size), from hashing it (seal) or from the
+    writer that just wrote it (reshard, consolidate).
+    """
     s = summarize(ck)
     summary = {"num_tensors": s.num_tensors, "num_objects": s.num_objects,
-               "num_params": s.num_params, "total_bytes": sum(files[n] for n in names),
+               "num_params": s.num_params, "total_bytes": sum(n for _, n in hashes.values()),
                "logical_digest": logical_digest(ck)}
     created = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    doc = build_manifest(ck, hashes, algo=algo, step=step, tags=tags or [],
+    doc = build_manifest(ck, hashes, algo=algo, step=step, tags=tags,
                          tool_version=__version__, created=created, summary=summary)
     data = serialize(doc)
     store.write_atomic(MANIFEST, data, exclusive=True)
@@ -111,7 +124,5 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str = "xxh3-128
     if store.read(MANIFEST) != data:
         raise Finding(store.display(MANIFEST), "another writer sealed this checkpoint at the "
                       "same time; its manifest won", code="ALREADY_EXISTS")
-    return SealResult(url, "sealed", manifest_id(data, algo), ck.format, step, algo,
-                      len(hashes), sum(size for _, size in hashes.values()),
-                      round(time.monotonic() - t0, 3))
+    return manifest_id(data, algo)
 

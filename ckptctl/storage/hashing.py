@@ -109,3 +109,25 @@ def hash_file(store: Store, rel: str, algo: str = "xxh3-128",
         store.stats.bytes_read += total
         store.stats.reads += 1
     return h.hexdigest(), total
+
+
+class HashingWriter:
+    """Wrap a binary file: count and hash what is written, so a writer can record its
+    output's manifest entry without reading it back."""
+
+    def __init__(self, f, algo: str = "xxh3-128", on_bytes: Callable[[int], None] | None = None):
+        self.f = f
+        self.h = new_hasher(algo)
+        self.pos = 0
+        self.on_bytes = on_bytes
+
+    def write(self, b) -> int:
+        self.f.write(b)
+        self.h.update(b)
+        self.pos += len(b)
+        if self.on_bytes:
+            self.on_bytes(len(b))
+        return len(b)
+
+    def result(self) -> tuple[str, int]:
+        return self.h.hexdigest(), self.pos

@@ -221,9 +221,12 @@ class Store:
         return data
 
     def open(self, rel: str, mode: str = "rb", **kw):
-        """A file object (streaming reads for large files)."""
+        """A file object: streaming reads, or a streaming write (S3: one multipart upload)."""
         with self._errors(rel):
-            return self.fs.open(self.full(rel), mode, **kw)
+            full = self.full(rel)
+            if self.is_local and ("w" in mode or "x" in mode):
+                os.makedirs(os.path.dirname(full), exist_ok=True)
+            return self.fs.open(full, mode, **kw)
 
     def size(self, rel: str) -> int:
         with self._errors(rel):
@@ -304,6 +307,9 @@ class Store:
             fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(full)}.", suffix=".tmp",
                                        dir=folder)
             try:
+                umask = os.umask(0)
+                os.umask(umask)
+                os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; publish like open() would
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                     f.flush()

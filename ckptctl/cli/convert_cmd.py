@@ -1,0 +1,104 @@
+"""``ckptctl reshard`` and ``ckptctl consolidate``: layout conversion, bounded memory."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from .common import (CTX, JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, print_table,
+                     say, storage_options)
+from .main import app
+from .progress import byte_progress
+
+MaxMemOpt = typer.Option("1GiB", "--max-memory", metavar="SIZE",
+                         help="Memory budget for tensor data (1GiB, 512MB, ...).")
+WorkersOpt = typer.Option(4, "--workers", help="Parallel readers/writers.")
+
+
+@app.command()
+def reshard(
+    src: str = typer.Argument(..., metavar="SRC", help="Source checkpoint, any format/place."),
+    dst: str = typer.Argument(..., metavar="DST", help="New folder for the DCP checkpoint."),
+    mesh: Optional[str] = typer.Option(None, "--mesh", metavar="DIMS",
+                                       help="Target mesh in DeviceMesh order, e.g. dp=8,tp=4."),
+    rules: Optional[str] = typer.Option(None, "--rules", metavar="PRESET|FILE",
+                                        help="Placement rules: fsdp, llama (alias tp), or a "
+                                             "TOML file of [[rule]] tables."),
+    world_size: Optional[int] = typer.Option(None, "--world-size", metavar="N",
+                                             help="Shorthand for --mesh dp=N --rules fsdp."),
+    max_memory: str = MaxMemOpt,
+    workers: int = WorkersOpt,
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan, write nothing."),
+    json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    storage_option: Optional[List[str]] = StorageOpt,
+):
+    """Write SRC as a DCP checkpoint for a new mesh: rank r's DTensor shards in rank r's file.
+
+    Rules are validated before a byte is written (a rule that does not fit a tensor exits 2).
+    Data first; .metadata and the manifest last.
+    """
+    from ..ops import reshard as do_reshard
+
+    CTX.quiet = quiet
+    with byte_progress("reshard", None, enabled=not (json or quiet or dry_run)) as cb:
+        r = do_reshard(src, dst, mesh=mesh, rules=rules, world_size=world_size,
+                       max_memory=max_memory, workers=workers, dry_run=dry_run,
+                       storage_options=storage_options(storage_option), on_bytes=cb)
+    if json:
+        emit_json(r.to_dict())
+        return
+    if dry_run:
+        print_table(["rank", "chunks", "read", "write", "reads from"],
+                    [[str(x["rank"]), str(x["chunks"]), human_bytes(x["read_bytes"]),
+                      human_bytes(x["write_bytes"]), ", ".join(x["read_files"][:4])
+                      + (" ..." if len(x["read_files"]) > 4 else "")] for x in r.ranks],
+                    title=f"plan: {r.src} -> {r.dst} at {r.mesh} ({r.world_size} ranks)")
+        return
+    say(f"{r.dst}: {r.world_size} ranks ({r.mesh}), {r.chunks} chunks, "
+        f"{human_bytes(r.bytes_written)} in {r.files} files ({r.seconds:.2f}s)")
+    say(f"id {r.manifest_id}")
+
+
+@app.command()
+def consolidate(
+    src: str = typer.Argument(..., metavar="SRC", help="Source checkpoint, any format/place."),
+    dst: str = typer.Argument(..., metavar="DST",
+                              help="New folder (or a .pt/.bin file name with --to torch)."),
+    to: str = typer.Option("safetensors", "--to", metavar="FORMAT",
+                           help="safetensors (HF layout), torch (torch.save) or dcp."),
+    only: Optional[str] = typer.Option(None, "--only", metavar="PART",
+                                       help="Only these state parts: model, optim (comma list)."),
+    dtype: Optional[str] = typer.Option(None, "--dtype", metavar="DTYPE",
+                                        help="Cast floating tensors: bf16, fp16, fp32."),
+    strip_prefix: Optional[str] = typer.Option(None, "--strip-prefix", metavar="PREFIX",
+                                               help="Drop this prefix from names (model.)."),
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", metavar="SIZE",
+                                       help="safetensors: largest file before a new shard."),
+    max_memory: str = MaxMemOpt,
+    workers: int = WorkersOpt,
+    json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    storage_option: Optional[List[str]] = StorageOpt,
+):
+    """Write one full tensor per entry (safetensors, torch.save or DCP), then seal it.
+
+    safetensors output follows the HF convention: model.safetensors, or
+    model-00001-of-0000N.safetensors + model.safetensors.index.json.
+    """
+    from ..ops import consolidate as do_consolidate
+
+    CTX.quiet = quiet
+    with byte_progress("consolidate", None, enabled=not (json or quiet)) as cb:
+        r = do_consolidate(src, dst, to=to, only=only, dtype=dtype, strip_prefix=strip_prefix,
+                           max_shard_size=max_shard_size, max_memory=max_memory,
+                           workers=workers, storage_options=storage_options(storage_option),
+                           on_bytes=cb)
+    if json:
+        emit_json(r.to_dict())
+        return
+    skipped = f", {r.objects_skipped} non-tensor entries not stored" if r.objects_skipped else ""
+    say(f"{r.dst}: {r.to}, {r.tensors} tensors, {r.objects} objects{skipped}; "
+        f"{human_bytes(r.bytes_written)} in {', '.join(r.files)} ({r.seconds:.2f}s)")
+    if r.manifest_id:
+        say(f"id {r.manifest_id}")

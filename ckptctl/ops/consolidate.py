@@ -1,0 +1,267 @@
+"""``consolidate``: one full tensor per entry, as safetensors (HF layout), torch.save or a
+single-rank DCP checkpoint; streamed in row blocks with bounded memory, then sealed.
+
+>>> r = consolidate("ckpt/", "hf/", to="safetensors", only="model", dtype="bf16",
+...                 strip_prefix="model.")                           # doctest: +SKIP
+>>> r.files                                                          # doctest: +SKIP
+['model.safetensors']
+"""
+from __future__ import annotations
+
+import io
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from ..errors import UsageError
+from ..formats.detect import open_checkpoint
+from ..formats.safetensors_write import index_json, shard_names, split_shards, write_file
+from ..formats.torchsave import SUFFIXES
+from ..model import DTYPES, Checkpoint, dtype_from_name
+from ..storage import HashingWriter, Store, open_store, split_url
+from .closure import classify, parse_parts
+from .copier import chunk_blocks, dtype_converter, prefetch
+from .plan import consolidation_plan
+from .reshard import (DEFAULT_MAX_MEMORY, _execute, _require_empty, commit_output,
+                      object_payload, parse_size)
+
+TARGETS = ("safetensors", "torch", "dcp")
+
+
+@dataclass
+class ConsolidateResult:
+    src: str
+    dst: str
+    to: str
+    files: list[str]
+    tensors: int
+    objects: int
+    objects_skipped: int
+    bytes_written: int
+    seconds: float
+    manifest_id: str | None = None
+    renamed: dict[str, str] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _select(ck: Checkpoint, only: str | None) -> tuple[list[str], list[str]]:
+    parts = set(parse_parts(only)) if only else None
+    keep = (lambda n: True) if parts is None else (lambda n: classify(n) in parts)
+    return sorted(n for n in ck.tensors if keep(n)), sorted(n for n in ck.objects if keep(n))
+
+
+def _target_dtype(dtype: str | None):
+    if dtype is None:
+        return None
+    try:
+        d = dtype_from_name(dtype)
+    except KeyError:
+        raise UsageError(f"unknown --dtype {dtype!r} (bf16, fp16, fp32)") from None
+    if d.kind != "float":
+        raise UsageError(f"--dtype must be a floating type, got {dtype}")
+    return d.name
+
+
+def _out_name(name: str, strip: str | None) -> str:
+    return name[len(strip):] if strip and name.startswith(strip) else name
+
+
+class _LocalAtomic:
+    """Write ``rel`` under a temp name and rename it into place on success (POSIX); on S3,
+    write the final name directly (the manifest, written last, is the commit)."""
+
+    def __init__(self, store: Store, rel: str):
+        self.store, self.rel = store, rel
+        self.tmp = (f"{os.path.dirname(rel)}/." if "/" in rel else ".") + \
+            f"{os.path.basename(rel)}.partial" if store.is_local else rel
+
+    def __enter__(self):
+        self.f = self.store.open(self.tmp, "wb")
+        return self.f
+
+    def __exit__(self, exc_type, exc, tb):
+        self.f.close()
+        if exc_type is not None:
+            if self.store.is_local:
+                self.store.remove(self.tmp)
+            return False
+        if self.store.is_local:
+            os.replace(self.store.full(self.tmp), self.store.full(self.rel))
+        return False
+
+
+def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None = None,
+                dtype: str | None = None, strip_prefix: str | None = None,
+                max_shard_size: int | str = "5GB", max_memory: int | str = DEFAULT_MAX_MEMORY,
+                workers: int = 4, storage_options: dict | None = None,
+                dst_storage_options: dict | None = None,
+                on_bytes: Callable[[int], None] | None = None) -> ConsolidateResult:
+    """Write every selected entry of ``src`` whole, into ``dst`` in format ``to``."""
+    t0 = time.monotonic()
+    if to not in TARGETS:
+        raise UsageError(f"--to must be one of {', '.join(TARGETS)}")
+    conv_to = _target_dtype(dtype)
+    max_memory = parse_size(max_memory)
+    ck = open_checkpoint(src, storage_options)
+    tensors, objects = _select(ck, only)
+    if not tensors and not objects:
+        raise UsageError(f"nothing selected in {src} (--only {only})")
+    plan = consolidation_plan(ck, only=set(tensors) | set(objects))
+    opts = dst_storage_options or storage_options
+    if to == "dcp":
+        r = _execute(ck, plan, src, dst, dry_run=False, max_memory=max_memory, workers=workers,
+                     storage_options=opts, on_bytes=on_bytes, t0=t0, convert_dtype=conv_to)
+        return ConsolidateResult(src, dst, to, ["__0_0.distcp", ".metadata"], len(tensors),
+                                 len(objects), 0, r.bytes_written, r.seconds, r.manifest_id)
+    by_name = {tc.name: tc for tc in plan.chunks}
+    budget = max(1 << 20, max_memory // 4)
+
+    def blocks(name: str):
+        tc = by_name[name]
+        conv = None
+        if conv_to and tc.dtype.kind == "float" and tc.dtype.name != conv_to:
+            conv = dtype_converter(tc.dtype.name, conv_to)
+        return prefetch(chunk_blocks(ck, tc, budget, conv))
+
+    def out_dtype(name: str) -> str:
+        d = ck.tensors[name].dtype
+        return conv_to if conv_to and d.kind == "float" else d.name
+
+    renamed = {n: _out_name(n, strip_prefix) for n in tensors + objects}
+    if len(set(renamed.values())) != len(renamed):
+        raise UsageError("--strip-prefix makes two entries collide")
+    if to == "torch":
+        files, skipped = _write_torch(ck, dst, opts, tensors, objects, renamed, blocks,
+                                      out_dtype, strip_prefix, on_bytes)
+    else:
+        files, skipped = _write_safetensors(dst, opts, ck, tensors, objects, renamed, blocks,
+                                            out_dtype, parse_size(max_shard_size), workers,
+                                            on_bytes)
+    store, hashes = files
+    mid = None
+    if hashes is not None:
+        mid = commit_output(store, hashes, step=ck.step, tags=[])
+    written = sum(n for _, n in (hashes or {}).values()) if hashes else store.size(store_file(dst))
+    return ConsolidateResult(src, dst, to, sorted((hashes or {store_file(dst): 0}).keys()),
+                             len(tensors), len(objects) - skipped, skipped, written,
+                             round(time.monotonic() - t0, 3), mid,
+                             {k: v for k, v in renamed.items() if k != v})
+
+
+def store_file(dst: str) -> str:
+    return os.path.basename(split_url(dst)[1])
+
+
+def _write_safetensors(dst, opts, ck, tensors, objects, renamed, blocks, out_dtype,
+                       max_shard, workers, on_bytes):
+    entries = []
+    for n in tensors:
+        d = DTYPES[out_dtype(n)]
+        if d.safetensors is None:
+            raise UsageError(f"{n}: dtype {d.name} has no safetensors encoding; use --to torch")
+        entries.append((renamed[n], d.safetensors, ck.tensors[n].shape,
+                        d.nbytes(ck.tensors[n].numel)))
+    by_out = {renamed[n]: n for n in tensors}
+    entries.sort(key=lambda e: e[0])
+    shards = split_shards(entries, max_shard)
+    names = shard_names(len(shards))
+    store = open_store(dst, opts)
+    _require_empty(store)
+    hashes: dict[str, tuple[str, int]] = {}
+
+    def one(job):
+        shard, fname = job
+        with _LocalAtomic(store, fname) as f:
+            w = HashingWriter(f, on_bytes=on_bytes)
+            write_file(w, shard, lambda out: blocks(by_out[out]), {"format": "pt"})
+        return fname, w.result()
+
+    with ThreadPoolExecutor(max(1, min(workers, len(shards)))) as pool:
+        hashes.update(pool.map(one, zip(shards, names)))
+    if len(shards) > 1:
+        data = index_json(shards, names)
+        store.write_atomic("model.safetensors.index.json", data)
+        from ..storage import digest_bytes
+
+        hashes["model.safetensors.index.json"] = (digest_bytes(data), len(data))
+    return (store, hashes), len(objects)
+
+
+def _nest(items: list[tuple[tuple, object]]):
+    """Rebuild the nested state dict from (path, value) pairs (ints index lists)."""
+    root: dict = {}
+    for path, value in items:
+        node = root
+        for i, key in enumerate(path[:-1]):
+            nxt = path[i + 1]
+            if isinstance(node, list):
+                while len(node) <= key:
+                    node.append(None)
+                if node[key] is None:
+                    node[key] = [] if isinstance(nxt, int) else {}
+                node = node[key]
+            else:
+                node = node.setdefault(key, [] if isinstance(nxt, int) else {})
+        last = path[-1]
+        if isinstance(node, list):
+            while len(node) <= last:
+                node.append(None)
+            node[last] = value
+        else:
+            node[last] = value
+    return root
+
+
+def _decode_object(ck: Checkpoint, name: str):
+    o = ck.objects[name]
+    if o.extent is None or o.extent.encoding == "torch_save":
+        return o.value
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(object_payload(ck, name)), weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError) as e:
+        from ..errors import UnsafeInputError
+
+        raise UnsafeInputError(ck.store.display(o.extent.file), f"{name}: object refused by the "
+                               f"weights-only loader ({str(e).splitlines()[0][:100]})") from None
+
+
+def _write_torch(ck, dst, opts, tensors, objects, renamed, blocks, out_dtype, strip, on_bytes):
+    from ..formats.torchwrite import TensorRef, TorchZipWriter, pickle_state
+
+    proto, path = split_url(dst)
+    single_file = path.endswith(SUFFIXES)
+    if single_file:
+        folder, fname = dst.rstrip("/").rsplit("/", 1) if "/" in dst.rstrip("/") else (".", dst)
+        store = open_store(folder, opts)
+        if store.exists(fname):
+            raise UsageError(f"destination {dst} exists; choose a new name")
+    else:
+        store, fname = open_store(dst, opts), "model.pt"
+        _require_empty(store)
+    paths = ck.info.get("paths") or {}
+
+    def out_path(n: str) -> tuple:
+        p = paths.get(n, (n,))
+        if strip and n.startswith(strip):
+            head = strip.rstrip(".")
+            p = p[1:] if p and p[0] == head and len(p) > 1 else (renamed[n],)
+        return p
+
+    refs = {n: TensorRef(str(i), out_dtype(n), ck.tensors[n].shape) for i, n in enumerate(tensors)}
+    tree = _nest([(out_path(n), refs[n]) for n in tensors]
+                 + [(out_path(n), _decode_object(ck, n)) for n in objects])
+    with _LocalAtomic(store, fname) as f:
+        w = HashingWriter(f, on_bytes=on_bytes)
+        zw = TorchZipWriter(w, pickle_state(tree))
+        for n in tensors:
+            zw.write_record(refs[n].key, blocks(n))
+        zw.close()
+    return (store, None if single_file else {fname: w.result()}), 0

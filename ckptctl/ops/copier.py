@@ -1,0 +1,128 @@
+"""Move the bytes a :class:`~ckptctl.ops.plan.Plan` describes, in row blocks, so memory
+stays bounded whatever the tensor sizes.
+
+>>> list(row_ranges(10, row_bytes=100, budget=350))
+[(0, 3), (3, 6), (6, 9), (9, 10)]
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Iterator
+
+import numpy as np
+
+from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows
+from ..model import Checkpoint
+from .plan import TargetChunk
+
+Converter = Callable[[memoryview], bytes]
+
+
+def row_ranges(rows: int, *, row_bytes: int, budget: int) -> Iterator[tuple[int, int]]:
+    """Split ``rows`` into ranges of at most ``budget`` bytes (at least one row each)."""
+    step = max(1, budget // max(1, row_bytes))
+    for r in range(0, rows, step):
+        yield r, min(rows, r + step)
+
+
+def _src_row_bytes(tc: TargetChunk) -> int:
+    best = 0
+    for p in tc.pieces:
+        n = 1
+        for s in p.src.sizes[1:]:
+            n *= s
+        best = max(best, tc.dtype.nbytes(n))
+    return best
+
+
+def fill_rows(ck: Checkpoint, tc: TargetChunk, r0: int, r1: int) -> np.ndarray:
+    """Rows ``[r0, r1)`` of a target chunk, assembled from its source pieces."""
+    t = ck.tensors[tc.name]
+    vt = byte_dtype(tc.dtype)
+    out = np.empty((r1 - r0, *tc.sizes[1:]), dtype=vt)
+    for p in tc.pieces:
+        a = max(r0, p.dst_offsets[0])
+        b = min(r1, p.dst_offsets[0] + p.sizes[0])
+        if a >= b:
+            continue
+        s0 = p.src_offsets[0] + (a - p.dst_offsets[0])
+        src = np.frombuffer(read_rows(ck, t, p.src, s0, s0 + (b - a)), dtype=vt)
+        src = src.reshape((b - a, *p.src.sizes[1:]))
+        inner_src = tuple(slice(o, o + s) for o, s in zip(p.src_offsets[1:], p.sizes[1:]))
+        inner_dst = tuple(slice(o, o + s) for o, s in zip(p.dst_offsets[1:], p.sizes[1:]))
+        out[(slice(a - r0, b - r0), *inner_dst)] = src[(slice(None), *inner_src)]
+    return out
+
+
+def chunk_blocks(ck: Checkpoint, tc: TargetChunk, budget: int,
+                 convert: Converter | None = None) -> Iterator[memoryview | bytes]:
+    """The target chunk's row-major bytes, in blocks of about ``budget`` bytes."""
+    if not tc.sizes or tc.dtype.bits % 8 or not tc.pieces:
+        if not tc.pieces:
+            return
+        if len(tc.pieces) != 1 or tc.pieces[0].sizes != tc.pieces[0].src.sizes:
+            raise NotImplementedError(f"{tc.name}: resharding sub-byte or 0-dim tensors")
+        data = chunk_bytes(ck, ck.tensors[tc.name], tc.pieces[0].src)
+        yield convert(data) if convert else data
+        return
+    inner = 1
+    for s in tc.sizes[1:]:
+        inner *= s
+    row = max(tc.dtype.nbytes(inner), _src_row_bytes(tc))
+    for r0, r1 in row_ranges(tc.sizes[0], row_bytes=row, budget=budget):
+        block = memoryview(fill_rows(ck, tc, r0, r1).reshape(-1).view(np.uint8))
+        yield convert(block) if convert else block
+
+
+def prefetch(it: Iterator, depth: int = 1) -> Iterator:
+    """Run ``it`` in a thread, ``depth`` items ahead, so reading overlaps writing."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    done = object()
+    err: list[BaseException] = []
+    stop = threading.Event()
+
+    def run():
+        try:
+            for item in it:
+                if stop.is_set():
+                    return
+                q.put(item)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            err.append(e)
+        finally:
+            q.put(done)
+
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    try:
+        while True:
+            item = q.get()
+            if item is done:
+                break
+            yield item
+    finally:
+        stop.set()
+        while th.is_alive():  # drain so the producer can finish
+            try:
+                q.get(timeout=0.1)
+            except queue.Empty:
+                pass
+    if err:
+        raise err[0]
+
+
+def dtype_converter(src: str, dst: str) -> Converter | None:
+    """A block converter ``src`` -> ``dst`` (floating dtypes, via torch), or None."""
+    if src == dst:
+        return None
+    import torch
+
+    s, d = getattr(torch, src), getattr(torch, dst)
+
+    def convert(block) -> bytes:
+        if len(block) == 0:
+            return b""
+        return torch.frombuffer(bytearray(block), dtype=s).to(d).view(torch.uint8).numpy().tobytes()
+
+    return convert

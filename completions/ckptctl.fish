@@ -1,0 +1,1 @@
+complete --command ckptctl --no-files --arguments "(env _CKPTCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=get-args _TYPER_COMPLETE_ARGS=(commandline -cp) ckptctl)" --condition "env _CKPTCTL_COMPLETE=complete_fish _TYPER_COMPLETE_FISH_ACTION=is-args _TYPER_COMPLETE_ARGS=(commandline -cp) ckptctl"
