@@ -48,9 +48,15 @@ How to run (from the repository root, after `make venv`):
 .venv/bin/python bench/verify_bench.py --size-gb 1 --no-write   # quick look, no file update
 ```
 
-Numbers are noisy on shared virtual machines: compare ratios measured in the same run,
-not absolute numbers across runs or machines. Every section records its machine and
-exact command.
+Machine so far: a 2-core AMD EPYC virtual machine, 24 GiB RAM, one virtio disk (about
+0.4 GB/s writing and 0.4-0.6 GB/s reading data the host has not cached; the host caches
+the disk, so re-reads after dropping this machine's page cache run at 1-2.5 GB/s), page-cache
+reads 5-12 GB/s. Dropping all caches (`/proc/sys/vm/drop_caches`) is not allowed there:
+"cold" runs evict each file with `posix_fadvise(POSIX_FADV_DONTNEED)` instead.
+
+Numbers are noisy on shared virtual machines (other jobs often share the two cores; each
+section records the load average): compare ratios measured in the same run, not absolute
+numbers across runs or machines. Every section records its machine and exact command.
 """
 
 

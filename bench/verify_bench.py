@@ -122,9 +122,9 @@ def run_series(cmds: dict[str, list[str]], reps: int, files: list[Path], cold: b
                 evict(files)
                 res = resident_bytes(files)
                 left_cached = max(left_cached, res or 0)
-            r = measure(cmd, capture=name.startswith(CAPTURE))
-            if name.startswith("ckptctl") and "OK" not in r.stdout + r.stderr and \
-                    "structure" not in name:
+            exe = Path(cmd[0]).name
+            r = measure(cmd, capture=exe in CAPTURE)
+            if exe == "ckptctl" and "OK" not in r.stdout + r.stderr:
                 raise RuntimeError(f"{name}: unexpected output {r.stdout!r} {r.stderr!r}")
             series[name].runs.append(r)
         log(f"  {'cold' if cold else 'warm'} round {rep + 1}/{reps}: " + ", ".join(
@@ -147,7 +147,15 @@ def rows_for(series: dict[str, Series], nbytes: int, ref: str = "cat") -> list[l
     return rows
 
 
+SMALL = "small: "
 HEADERS = ["command", "runs", "wall s (median)", "min-max", "CPU s", "GB/s", "x cat", "peak RSS MB"]
+
+
+def wait_idle(limit_s: float, log) -> None:
+    deadline = time.monotonic() + limit_s
+    while os.getloadavg()[0] >= 1.0 and time.monotonic() < deadline:
+        log(f"waiting for the machine to go idle (load {os.getloadavg()[0]:.2f}) ...")
+        time.sleep(15)
 
 
 def main(argv=None) -> int:
@@ -162,12 +170,17 @@ def main(argv=None) -> int:
     ap.add_argument("--scale-gb", type=float, default=1.0,
                     help="size of the second checkpoint for the memory check (0: skip)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold runs")
+    ap.add_argument("--wait-idle", type=float, default=0, metavar="S",
+                    help="first wait up to S seconds for the 1-minute load average to fall "
+                         "below 1 (other work on the machine skews the timings)")
     ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     ap.add_argument("--md", default=str(ROOT / "BENCHMARKS.md"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     workers = [int(w) for w in a.workers.split(",") if w]
     log = lambda m: print(m, flush=True)  # noqa: E731
     t_start = time.monotonic()
+    if a.wait_idle:
+        wait_idle(a.wait_idle, log)
     load_before = load_average()
     ck = ckptctl_exe()
     have_xxhsum = shutil.which("xxhsum") is not None
@@ -196,11 +209,31 @@ def main(argv=None) -> int:
                      if not ("sha256 w" in k and k != f"ckptctl verify full sha256 w{max(workers)}")
                      and "structure" not in k and "openssl" not in k}
 
+        scale_cmds, sfiles2, nbytes2 = {}, [], 0
+        if a.scale_gb:
+            # a smaller checkpoint, measured in the same round-robin as the big one
+            sx = base / f"scale-{a.scale_gb:g}gb" / "xxh3"
+            if not (sx / MANIFEST).exists():
+                shutil.rmtree(sx.parent, ignore_errors=True)
+                sx.parent.mkdir(parents=True)
+                log(f"writing a {a.scale_gb:g} GB checkpoint for the scaling check ...")
+                generate_dcp(sx, int(a.scale_gb * GB), a.files)
+                measure([ck, "seal", "--quiet", str(sx)])
+            sfiles2 = checkpoint_files(sx)
+            nbytes2 = sum(p.stat().st_size for p in sfiles2)
+            scale_cmds = {"cat > /dev/null": ["cat", *map(str, sfiles2)]}
+            scale_cmds |= {f"ckptctl verify full xxh3 w{w}": ckv(sx, w)
+                           for w in sorted({1, max(workers)})}
+            scale_cmds["ckptctl verify structure"] = ckv(sx, 4, "structure")
+
         log(f"warm: {nbytes / GB:.2f} GB in {len(files)} files, {a.reps} rounds")
-        warm(files)
+        warm(files + sfiles2)
         res = resident_bytes(files)
         warm_res = f"{res / nbytes:.0%}" if res is not None else "unknown"
-        warm_series, _ = run_series(warm_cmds, a.reps, files, False, log)
+        both, _ = run_series(warm_cmds | {SMALL + k: v for k, v in scale_cmds.items()}, a.reps,
+                             files, False, log)
+        warm_series = {k: v for k, v in both.items() if not k.startswith(SMALL)}
+        scale_series = {k[len(SMALL):]: v for k, v in both.items() if k.startswith(SMALL)}
         notes = cross_check(warm_series, sdir, xdir)
         for n in notes:
             log("  " + n)
@@ -212,25 +245,7 @@ def main(argv=None) -> int:
             log(f"cold: first cold read (cat) {nbytes / GB / first_cold.wall_s:.2f} GB/s")
             cold_series, left = run_series(cold_cmds, a.reps, files, True, log)
 
-        scale = None
-        if a.scale_gb:
-            sbase = base / f"scale-{a.scale_gb:g}gb"
-            sx = sbase / "xxh3"
-            if not (sx / MANIFEST).exists():
-                shutil.rmtree(sbase, ignore_errors=True)
-                sbase.mkdir(parents=True)
-                log(f"scaling: writing a {a.scale_gb:g} GB checkpoint ...")
-                generate_dcp(sx, int(a.scale_gb * GB), a.files)
-                measure([ck, "seal", "--quiet", str(sx)])
-            sfiles2 = checkpoint_files(sx)
-            nbytes2 = sum(p.stat().st_size for p in sfiles2)
-            warm(sfiles2)
-            wmax = max(workers)
-            scmds = {"cat > /dev/null": ["cat", *map(str, sfiles2)]}
-            scmds |= {f"ckptctl verify full xxh3 w{w}": ckv(sx, w) for w in sorted({1, wmax})}
-            scmds["ckptctl verify structure"] = ckv(sx, 4, "structure")
-            scale_series, _ = run_series(scmds, a.reps, sfiles2, False, log)
-            scale = (nbytes2, scale_series)
+        scale = (nbytes2, scale_series) if scale_series else None
 
         # ------------------------------------------------------------ report
         facts = machine_facts()
@@ -258,7 +273,8 @@ def main(argv=None) -> int:
                    + " ".join(n[0].upper() + n[1:] + "." for n in notes))
         out.append(f"\nLoad average {load_before} before the run, {load_after} after: other "
                    f"work on the machine inflates and scatters the timings (`min-max`).")
-        out.append(f"\nMedians of {a.reps} runs, round-robin (a command slower than 8 s runs once); `wN` is `--workers N` (default 4); "
+        out.append(f"\nMedians of {a.reps} runs, round-robin (a command slower than 8 s runs "
+                   f"once); `wN` is `--workers N` (default 4); "
                    f"wall time is process start to exit, so ckptctl's includes its start-up and "
                    f"the structure checks (`verify structure` row); `CPU s` is user + system time "
                    f"of the process tree (above wall time when it runs in parallel).\n")

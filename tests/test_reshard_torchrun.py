@@ -57,10 +57,15 @@ def torchrun_load(tmp_path: Path, ckpt: Path, layout: str, nproc: int, expect: P
         cmd += ["--mesh-dims", mesh_dims]
     if expect_objects:
         cmd += ["--expect-objects", str(expect_objects)]
-    t0 = time.monotonic()
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
-                       env=dict(os.environ, OMP_NUM_THREADS="1"))
-    wall = time.monotonic() - t0
+    for attempt in (1, 2):
+        t0 = time.monotonic()
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        wall = time.monotonic() - t0
+        # --standalone picks a free port, closes it, then binds it again: a parallel run can
+        # take it in between. Retry that once; any other failure is the test's.
+        if p.returncode == 0 or "address already in use" not in (p.stdout + p.stderr).lower():
+            break
     if p.returncode != 0 or not report.exists():
         pytest.fail(f"load_dcp.py failed (rc={p.returncode}): {' '.join(cmd)}\n{_tail(p)}", pytrace=False)
     r = json.loads(report.read_text())
@@ -203,7 +208,6 @@ def test_reshard_fsdp4_to_2d(resharded, tmp_path, record_property):
     assert report["placements"]["model.output.weight"]["boxes"]["1"] == [[501, 0], [250, 128]]
 
 
-@pytest.mark.slow
 def test_reshard_fsdp4_to_world_size_2(resharded, tmp_path, record_property):
     _roundtrip(resharded, tmp_path, ("--world-size", "2"), "fsdp", 2, "dp=2", record_property)
 
@@ -211,7 +215,7 @@ def test_reshard_fsdp4_to_world_size_2(resharded, tmp_path, record_property):
 @pytest.mark.parametrize("args", [
     ("--mesh", "tp=2", "--rules", "llama"),
     pytest.param(("--mesh", "dp=2,tp=2", "--rules", "llama"), marks=pytest.mark.slow),
-    pytest.param(("--world-size", "2"), marks=pytest.mark.slow),
+    ("--world-size", "2"),
 ], ids=["tp2", "2d", "ws2"])
 def test_reshard_output_verifies(resharded, cli, args):
     dst, _ = resharded(*args)

@@ -18,6 +18,9 @@ from ..model import Checkpoint, Chunk, DType, Extent, ObjectEntry, TensorEntry
 from .safe_pickle import loads_primitive
 from .torchzip import central_directory, payload_span
 
+#: Chunks up to this size are read in one request (zip and all) rather than located
+#: first (two small requests) and then sliced: on S3 requests cost more than bytes.
+SMALL_CHUNK = 4 << 20
 #: A DCP chunk zip adds ~1.5 KiB around the tensor bytes; decompression stops well past that.
 ZIP_OVERHEAD_BOUND = 1 << 20
 
@@ -131,7 +134,10 @@ def read_rows(ck: Checkpoint, t: TensorEntry, c: Chunk, start: int, stop: int) -
     if not c.sizes:
         return chunk_bytes(ck, t, c)
     row = t.dtype.nbytes(c.numel // c.sizes[0]) if c.sizes[0] else 0
-    if c.extent.encoding in ("raw", "torch_zip"):
+    whole = start == 0 and stop == c.sizes[0]
+    if c.extent.encoding in ("raw", "torch_zip") and not (
+            whole or (c.extent.encoding == "torch_zip" and c.extent.length <= SMALL_CHUNK
+                      and c.extent not in ck.info.get("payload_locations", {}))):
         off, length = payload_location(ck, c.extent)
         if length != t.dtype.nbytes(c.numel):
             raise FormatError(ck.store.display(c.extent.file),

@@ -107,6 +107,7 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     conv_to = _target_dtype(dtype)
     max_memory = parse_size(max_memory)
     ck = open_checkpoint(src, storage_options)
+    ck.store.cache_small_files(ck.files)
     tensors, objects = _select(ck, only)
     if not tensors and not objects:
         raise UsageError(f"nothing selected in {src} (--only {only})")

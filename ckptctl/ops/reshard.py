@@ -172,6 +172,7 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
     t0 = time.monotonic()
     r = build_rules(mesh=mesh, rules=rules, world_size=world_size)
     ck = open_checkpoint(src, storage_options)
+    ck.store.cache_small_files(ck.files)
     plan = make_plan(ck, r)
     return _execute(ck, plan, src, dst, dry_run=dry_run, max_memory=parse_size(max_memory),
                     workers=workers, storage_options=dst_storage_options or storage_options,

@@ -379,6 +379,7 @@ class _Checker:
         self.quick()
         fatal = self.ck is None
         if not fatal and self.level in ("structure", "full"):
+            self.store.cache_small_files(self.files)  # reading chunks: whole small files
             self.structure()
         if not fatal and self.level == "full":
             self.full()

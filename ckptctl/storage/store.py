@@ -143,6 +143,15 @@ class Store:
         self.root = root.rstrip("/") if root != "/" else root
         self.stats = IOStats()
         self._lock = threading.Lock()
+        self._small: "SmallFileCache | None" = None
+
+    def cache_small_files(self, sizes: dict[str, int], *, max_file: int = 16 << 20,
+                          budget: int = 256 << 20) -> None:
+        """Serve ranged reads of small remote files from one whole-file GET each (LRU,
+        ``budget`` bytes at most): a DCP checkpoint of many small chunks then costs one
+        request per file, not several per chunk. No effect on local stores."""
+        if not self.is_local:
+            self._small = SmallFileCache(sizes, max_file, budget)
 
     # ---------------------------------------------------------------- paths
     @property
@@ -204,6 +213,8 @@ class Store:
         """Bytes ``[start, end)`` of a file, in one request. Short if the file is."""
         if end <= start:
             return b""
+        if self._small is not None and self._small.wants(rel):
+            return self._small.get(rel, lambda: self.read(rel))[start:end]
         with self._errors(rel):
             data = self.fs.cat_file(self.full(rel), start=start, end=end)
         with self._lock:
@@ -340,3 +351,36 @@ class Store:
                 self.fs.rm_file(self.full(rel))
             except FileNotFoundError:
                 pass
+
+
+class SmallFileCache:
+    """Whole small files kept in memory, least recently used evicted past ``budget``."""
+
+    def __init__(self, sizes: dict[str, int], max_file: int, budget: int):
+        import collections
+
+        self.sizes, self.max_file, self.budget = dict(sizes), max_file, budget
+        self.data: "collections.OrderedDict[str, bytes]" = collections.OrderedDict()
+        self.lock = threading.Lock()
+        self.loading: dict[str, threading.Lock] = {}
+
+    def wants(self, rel: str) -> bool:
+        size = self.sizes.get(rel)
+        return size is not None and size <= self.max_file
+
+    def get(self, rel: str, load) -> bytes:
+        with self.lock:
+            if rel in self.data:
+                self.data.move_to_end(rel)
+                return self.data[rel]
+            file_lock = self.loading.setdefault(rel, threading.Lock())
+        with file_lock:  # one GET per file even when threads ask at once
+            with self.lock:
+                if rel in self.data:
+                    return self.data[rel]
+            blob = load()
+            with self.lock:
+                self.data[rel] = blob
+                while sum(len(b) for b in self.data.values()) > self.budget and len(self.data) > 1:
+                    self.data.popitem(last=False)
+            return blob
