@@ -18,21 +18,29 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: venv
-	$(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=4 \
+	@echo "== writing a real checkpoint: torchrun, FSDP2 on 4 CPU ranks (gloo), Adam state"
+	rm -rf $(DEMO) && $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=4 \
 	    tests/fixtures/write_dcp.py --layout fsdp --out $(DEMO)/tmp 2>&1 | grep -v Warning || true
-	rm -rf $(DEMO)/run1 && mkdir -p $(DEMO)/run1 && mv $(DEMO)/tmp/fsdp/step-* $(DEMO)/run1/ && rm -rf $(DEMO)/tmp
+	mkdir -p $(DEMO)/run1 && mv $(DEMO)/tmp/fsdp/step-* $(DEMO)/run1/ && rm -rf $(DEMO)/tmp
 	$(BIN)/ckptctl ls $(DEMO)/run1
-	$(BIN)/ckptctl inspect $(DEMO)/run1/$$(ls $(DEMO)/run1 | head -1)
-	$(BIN)/ckptctl inspect $(DEMO)/run1/$$(ls $(DEMO)/run1 | head -1) --tree --filter 'model.layers.0.*'
-	$(BIN)/ckptctl seal $(DEMO)/run1/$$(ls $(DEMO)/run1 | head -1) --tag demo
-	$(BIN)/ckptctl verify $(DEMO)/run1/$$(ls $(DEMO)/run1 | head -1) --level full --check-finite
-	$(BIN)/ckptctl ls $(DEMO)/run1
+	$(BIN)/ckptctl inspect $(DEMO)/run1/step-20
+	$(BIN)/ckptctl inspect $(DEMO)/run1/step-20 --tree --filter 'model.layers.0.*'
+	$(BIN)/ckptctl seal $(DEMO)/run1/step-20 --tag demo
+	$(BIN)/ckptctl verify $(DEMO)/run1/step-20 --level full --check-finite --require model,optim,step
+	$(BIN)/ckptctl reshard $(DEMO)/run1/step-20 $(DEMO)/run1-2d/step-20 --mesh dp=2,tp=2 --rules llama --dry-run
+	$(BIN)/ckptctl reshard $(DEMO)/run1/step-20 $(DEMO)/run1-2d/step-20 --mesh dp=2,tp=2 --rules llama
+	$(BIN)/ckptctl consolidate $(DEMO)/run1/step-20 $(DEMO)/hf --to safetensors --only model --strip-prefix model. --dtype bf16
+	$(BIN)/ckptctl ls $(DEMO)
 
 test: venv
 	$(BIN)/python -m pytest -n 2 -q
 
 test-slow: venv
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow || [ $$? -eq 5 ]  # 5: none marked slow
+
+bench: venv
+	$(BIN)/python bench/verify_bench.py
+	$(BIN)/python bench/consolidate_bench.py
 
 docs: venv
 	$(BIN)/python -m ckptctl.cli.docs

@@ -287,3 +287,12 @@ def test_local_manifest_write_is_exclusive(tmp_path):
         s.write_atomic("m.json", b"2", exclusive=True)
     assert (tmp_path / "m.json").read_bytes() == b"1"
     assert sorted(os.listdir(tmp_path)) == ["m.json"]  # no temp file left behind
+
+
+def test_orphaned_multipart_upload_is_reported(torch_ckpts, moto_bucket):
+    moto_bucket.upload(torch_ckpts.hf_single, "m")
+    fs = moto_bucket.fs()
+    fs.call_s3("create_multipart_upload", Bucket=moto_bucket.bucket, Key="m/model-2.safetensors")
+    r = verify(moto_bucket.url("m"), moto_bucket.storage_options, level="quick")
+    assert [p.code for p in r.problems] == ["ORPHANED_UPLOAD"]
+    assert r.problems[0].path.endswith("m/model-2.safetensors")
