@@ -136,29 +136,31 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     if len(set(renamed.values())) != len(renamed):
         raise UsageError("--strip-prefix makes two entries collide")
     if to == "torch":
-        files, skipped = _write_torch(ck, dst, opts, tensors, objects, renamed, blocks,
-                                      out_dtype, strip_prefix, on_bytes)
+        out = _write_torch(ck, dst, opts, tensors, objects, renamed, blocks, out_dtype,
+                           strip_prefix, on_bytes)
     else:
-        files, skipped = _write_safetensors(dst, opts, ck, tensors, objects, renamed, blocks,
-                                            out_dtype, parse_size(max_shard_size), workers,
-                                            on_bytes)
-    store, hashes = files
+        out = _write_safetensors(dst, opts, ck, tensors, renamed, blocks, out_dtype,
+                                 parse_size(max_shard_size), workers, on_bytes)
     mid = None
-    if hashes is not None:
-        mid = commit_output(store, hashes, step=ck.step, tags=[])
-    written = sum(n for _, n in (hashes or {}).values()) if hashes else store.size(store_file(dst))
-    return ConsolidateResult(src, dst, to, sorted((hashes or {store_file(dst): 0}).keys()),
-                             len(tensors), len(objects) - skipped, skipped, written,
+    if out.folder:  # a folder is a checkpoint: commit it; a lone .pt file has no manifest
+        mid = commit_output(out.store, out.hashes, step=ck.step, tags=[])
+    skipped = 0 if to == "torch" else len(objects)
+    return ConsolidateResult(src, dst, to, sorted(out.hashes), len(tensors),
+                             len(objects) - skipped, skipped,
+                             sum(n for _, n in out.hashes.values()),
                              round(time.monotonic() - t0, 3), mid,
                              {k: v for k, v in renamed.items() if k != v})
 
 
-def store_file(dst: str) -> str:
-    return os.path.basename(split_url(dst)[1])
+@dataclass
+class _Written:
+    store: Store
+    hashes: dict[str, tuple[str, int]]  # file -> (digest, size)
+    folder: bool
 
 
-def _write_safetensors(dst, opts, ck, tensors, objects, renamed, blocks, out_dtype,
-                       max_shard, workers, on_bytes):
+def _write_safetensors(dst, opts, ck, tensors, renamed, blocks, out_dtype, max_shard,
+                       workers, on_bytes) -> _Written:
     entries = []
     for n in tensors:
         d = DTYPES[out_dtype(n)]
@@ -189,7 +191,7 @@ def _write_safetensors(dst, opts, ck, tensors, objects, renamed, blocks, out_dty
         from ..storage import digest_bytes
 
         hashes["model.safetensors.index.json"] = (digest_bytes(data), len(data))
-    return (store, hashes), len(objects)
+    return _Written(store, hashes, True)
 
 
 def _nest(items: list[tuple[tuple, object]]):
@@ -234,10 +236,11 @@ def _decode_object(ck: Checkpoint, name: str):
                                f"weights-only loader ({str(e).splitlines()[0][:100]})") from None
 
 
-def _write_torch(ck, dst, opts, tensors, objects, renamed, blocks, out_dtype, strip, on_bytes):
+def _write_torch(ck, dst, opts, tensors, objects, renamed, blocks, out_dtype, strip,
+                 on_bytes) -> _Written:
     from ..formats.torchwrite import TensorRef, TorchZipWriter, pickle_state
 
-    proto, path = split_url(dst)
+    _, path = split_url(dst)
     single_file = path.endswith(SUFFIXES)
     if single_file:
         folder, fname = dst.rstrip("/").rsplit("/", 1) if "/" in dst.rstrip("/") else (".", dst)
@@ -265,4 +268,4 @@ def _write_torch(ck, dst, opts, tensors, objects, renamed, blocks, out_dtype, st
         for n in tensors:
             zw.write_record(refs[n].key, blocks(n))
         zw.close()
-    return (store, None if single_file else {fname: w.result()}), 0
+    return _Written(store, {fname: w.result()}, not single_file)
