@@ -93,7 +93,15 @@ def cache_key() -> str:
     return h.hexdigest()[:16]
 
 
-def _run(cmd: list, log: Path) -> None:
+def _run(cmd: list, log: Path, tries: int = 2) -> None:
+    """Run a generator; a torchrun launch that fails (port clash, a gloo abort at exit on
+    a loaded machine) is tried once more before the session fails."""
+    for attempt in range(tries):
+        if _run_once(cmd, log, last=attempt == tries - 1):
+            return
+
+
+def _run_once(cmd: list, log: Path, *, last: bool) -> bool:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     try:
@@ -104,9 +112,10 @@ def _run(cmd: list, log: Path) -> None:
         out, err = (x.decode(errors="replace") if isinstance(x, bytes) else x for x in (out, err))
     with log.open("a") as f:
         f.write(f"$ {' '.join(map(str, cmd))}\n# rc={rc} {time.monotonic() - t0:.1f}s\n{out}{err}\n")
-    if rc != 0:
+    if rc != 0 and last:
         tail = "\n".join((out + err).splitlines()[-40:])
         pytest.fail(f"fixture generator failed (rc={rc}): {' '.join(map(str, cmd))}\n{tail}", pytrace=False)
+    return rc == 0
 
 
 def generate(root: Path) -> None:

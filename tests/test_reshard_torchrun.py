@@ -43,7 +43,9 @@ MANIFEST = "ckptctl.manifest.json"
 # -- helpers ----------------------------------------------------------------------------------
 
 def _tail(p, n=40) -> str:
-    return "\n".join(((p.stdout or "") + (p.stderr or "")).splitlines()[-n:])
+    """The last ``n`` lines of a run's output, without torch's warning noise."""
+    lines = ((p.stdout or "") + (p.stderr or "")).splitlines()
+    return "\n".join([x for x in lines if "Warning" not in x and "warnings.warn" not in x][-n:])
 
 
 def torchrun_load(tmp_path: Path, ckpt: Path, layout: str, nproc: int, expect: Path, *,
@@ -66,8 +68,11 @@ def torchrun_load(tmp_path: Path, ckpt: Path, layout: str, nproc: int, expect: P
         # take it in between. Retry that once; any other failure is the test's.
         if p.returncode == 0 or "address already in use" not in (p.stdout + p.stderr).lower():
             break
+    log = report.with_suffix(".log")
+    log.write_text(f"$ {' '.join(cmd)}\n# rc={p.returncode} {wall:.1f}s attempt {attempt}\n{p.stdout}{p.stderr}")
     if p.returncode != 0 or not report.exists():
-        pytest.fail(f"load_dcp.py failed (rc={p.returncode}): {' '.join(cmd)}\n{_tail(p)}", pytrace=False)
+        pytest.fail(f"load_dcp.py failed (rc={p.returncode}, full output in {log}): {' '.join(cmd)}\n"
+                    f"{_tail(p, 80)}", pytrace=False)
     r = json.loads(report.read_text())
     r["wall_s"] = round(wall, 1)
     return r

@@ -21,7 +21,8 @@ from typing import Iterator
 
 from ..errors import CkptError, NotFoundError, StorageError, UnsafeInputError, UsageError
 
-_REMOTE_PROTOCOLS = ("s3", "s3a", "gs", "gcs", "az", "abfs", "http", "https", "memory")
+#: Descriptors a local store keeps open for ranged reads before it recycles them.
+MAX_OPEN_FILES = 256
 
 
 @dataclass
@@ -144,6 +145,7 @@ class Store:
         self.stats = IOStats()
         self._lock = threading.Lock()
         self._small: "SmallFileCache | None" = None
+        self._fds: dict[str, int] = {}
 
     def cache_small_files(self, sizes: dict[str, int], *, max_file: int = 16 << 20,
                           budget: int = 256 << 20) -> None:
@@ -216,11 +218,45 @@ class Store:
         if self._small is not None and self._small.wants(rel):
             return self._small.get(rel, lambda: self.read(rel))[start:end]
         with self._errors(rel):
-            data = self.fs.cat_file(self.full(rel), start=start, end=end)
+            if self.is_local:  # pread on a kept descriptor: no open/seek/close per chunk
+                data = os.pread(self._fd(rel), end - start, start)
+            else:
+                data = self.fs.cat_file(self.full(rel), start=start, end=end)
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes_read += len(data)
         return data
+
+    def _fd(self, rel: str) -> int:
+        with self._lock:
+            fd = self._fds.get(rel)
+            if fd is None:
+                if len(self._fds) >= MAX_OPEN_FILES:  # thousands of rank files: stay bounded
+                    for old in self._fds.values():
+                        os.close(old)
+                    self._fds.clear()
+                fd = os.open(self.full(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                self._fds[rel] = fd
+            return fd
+
+    def _forget(self, rel: str) -> None:
+        with self._lock:
+            fd = self._fds.pop(rel, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        """Close kept file descriptors (reads reopen them as needed)."""
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def read(self, rel: str) -> bytes:
         """A whole (small) file."""
@@ -236,6 +272,7 @@ class Store:
         with self._errors(rel):
             full = self.full(rel)
             if self.is_local and ("w" in mode or "x" in mode):
+                self._forget(rel)
                 os.makedirs(os.path.dirname(full), exist_ok=True)
             return self.fs.open(full, mode, **kw)
 
@@ -299,6 +336,7 @@ class Store:
         """
         full = self.full(rel)
         if self.is_local:
+            self._forget(rel)
             self._write_atomic_local(rel, full, data, exclusive)
             return
         with self._errors(rel):
@@ -346,6 +384,8 @@ class Store:
 
     def remove(self, rel: str) -> None:
         """Delete one file (missing is fine)."""
+        if self.is_local:
+            self._forget(rel)
         with self._errors(rel):
             try:
                 self.fs.rm_file(self.full(rel))
