@@ -149,6 +149,25 @@ def read_rows(ck: Checkpoint, t: TensorEntry, c: Chunk, start: int, stop: int) -
     return chunk_bytes(ck, t, c)[start * row:stop * row]
 
 
+def read_rows_into(ck: Checkpoint, t: TensorEntry, c: Chunk, start: int, stop: int,
+                   out: memoryview) -> None:
+    """Like :func:`read_rows`, into ``out`` (exactly that many bytes): straight from the
+    file where the encoding allows, without intermediate copies."""
+    direct = (c.sizes and c.extent.encoding in ("raw", "torch_zip") and t.dtype.bits % 8 == 0
+              and (ck.store.is_local or c.extent.encoding == "raw" or c.extent.length > SMALL_CHUNK
+                   or c.extent in ck.info.get("payload_locations", {})))
+    if not direct:
+        out[:] = read_rows(ck, t, c, start, stop)
+        return
+    row = t.dtype.nbytes(c.numel // c.sizes[0]) if c.sizes[0] else 0
+    off, length = payload_location(ck, c.extent)
+    if length != t.dtype.nbytes(c.numel):
+        raise FormatError(ck.store.display(c.extent.file),
+                          f"{t.name}: chunk holds {length} bytes, {t.dtype.nbytes(c.numel)} expected")
+    if ck.store.read_into(c.extent.file, off + start * row, out) != len(out):
+        raise FormatError(ck.store.display(c.extent.file), f"{t.name}: file is truncated")
+
+
 def read_tensor(ck: Checkpoint, name: str, *, workers: int = 4) -> np.ndarray:
     """The whole tensor as a numpy array of opaque elements, shaped like the tensor.
 

@@ -223,6 +223,13 @@ def _decode_object(ck: Checkpoint, name: str):
     o = ck.objects[name]
     if o.extent is None or o.extent.encoding == "torch_save":
         return o.value
+    from ..errors import CkptError
+    from ..formats.tensorio import read_object
+
+    try:  # plain data (numbers, strings, lists): no torch, no globals
+        return read_object(ck, o)
+    except CkptError:
+        pass
     import pickle
 
     import torch

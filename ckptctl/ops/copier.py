@@ -12,7 +12,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows
+from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows, read_rows_into
 from ..model import Checkpoint
 from .plan import TargetChunk
 
@@ -36,17 +36,27 @@ def _src_row_bytes(tc: TargetChunk) -> int:
     return best
 
 
-def fill_rows(ck: Checkpoint, tc: TargetChunk, r0: int, r1: int) -> np.ndarray:
-    """Rows ``[r0, r1)`` of a target chunk, assembled from its source pieces."""
+def fill_rows(ck: Checkpoint, tc: TargetChunk, r0: int, r1: int,
+              out: np.ndarray | None = None) -> np.ndarray:
+    """Rows ``[r0, r1)`` of a target chunk, assembled from its source pieces (into ``out``
+    when given: a reused buffer of that shape). A piece whose rows are whole in both source
+    and target is read straight into place; others go through numpy slicing."""
     t = ck.tensors[tc.name]
     vt = byte_dtype(tc.dtype)
-    out = np.empty((r1 - r0, *tc.sizes[1:]), dtype=vt)
+    if out is None:
+        out = np.empty((r1 - r0, *tc.sizes[1:]), dtype=vt)
+    flat = out.reshape(-1).view(np.uint8)
+    row = tc.dtype.nbytes(int(np.prod(tc.sizes[1:], dtype=np.int64)))
     for p in tc.pieces:
         a = max(r0, p.dst_offsets[0])
         b = min(r1, p.dst_offsets[0] + p.sizes[0])
         if a >= b:
             continue
         s0 = p.src_offsets[0] + (a - p.dst_offsets[0])
+        if p.sizes[1:] == tc.sizes[1:] == p.src.sizes[1:]:  # whole rows: contiguous both sides
+            read_rows_into(ck, t, p.src, s0, s0 + (b - a),
+                           memoryview(flat[(a - r0) * row:(b - r0) * row]))
+            continue
         src = np.frombuffer(read_rows(ck, t, p.src, s0, s0 + (b - a)), dtype=vt)
         src = src.reshape((b - a, *p.src.sizes[1:]))
         inner_src = tuple(slice(o, o + s) for o, s in zip(p.src_offsets[1:], p.sizes[1:]))
@@ -70,9 +80,34 @@ def chunk_blocks(ck: Checkpoint, tc: TargetChunk, budget: int,
     for s in tc.sizes[1:]:
         inner *= s
     row = max(tc.dtype.nbytes(inner), _src_row_bytes(tc))
+    pool = _BufferPool(BUFFERS)
+    vt = byte_dtype(tc.dtype)
     for r0, r1 in row_ranges(tc.sizes[0], row_bytes=row, budget=budget):
-        block = memoryview(fill_rows(ck, tc, r0, r1).reshape(-1).view(np.uint8))
+        shape = (r1 - r0, *tc.sizes[1:])
+        out = pool.next(tc.dtype.nbytes((r1 - r0) * inner)).view(vt).reshape(shape)
+        block = memoryview(fill_rows(ck, tc, r0, r1, out).reshape(-1).view(np.uint8))
         yield convert(block) if convert else block
+
+
+#: Blocks in flight per chunk stream: one being filled, one queued by ``prefetch``, one
+#: being written. A buffer is reused only after its consumer asked for a later block.
+BUFFERS = 3
+
+
+class _BufferPool:
+    """Rotating reusable byte buffers (fresh memory is slow to touch the first time)."""
+
+    def __init__(self, count: int):
+        self.bufs: list[np.ndarray | None] = [None] * count
+        self.i = 0
+
+    def next(self, nbytes: int) -> np.ndarray:
+        i = self.i
+        self.i = (i + 1) % len(self.bufs)
+        buf = self.bufs[i]
+        if buf is None or buf.nbytes < nbytes:
+            buf = self.bufs[i] = np.empty(nbytes, dtype=np.uint8)
+        return buf[:nbytes]
 
 
 def prefetch(it: Iterator, depth: int = 1) -> Iterator:

@@ -227,6 +227,27 @@ class Store:
             self.stats.bytes_read += len(data)
         return data
 
+    def read_into(self, rel: str, start: int, buf: memoryview) -> int:
+        """Fill ``buf`` with the bytes at ``start``; returns how many there were. Local
+        files are read straight into ``buf`` (``preadv``): no new memory per read, which
+        matters since first touches of fresh memory run at a fraction of copy speed."""
+        if self.is_local and not (self._small is not None and self._small.wants(rel)):
+            n = 0
+            with self._errors(rel):
+                fd = self._fd(rel)
+                while n < len(buf):
+                    k = os.preadv(fd, [buf[n:]], start + n)
+                    if k == 0:
+                        break
+                    n += k
+            with self._lock:
+                self.stats.reads += 1
+                self.stats.bytes_read += n
+            return n
+        data = self.read_range(rel, start, start + len(buf))
+        buf[:len(data)] = data
+        return len(data)
+
     def _fd(self, rel: str) -> int:
         with self._lock:
             fd = self._fds.get(rel)
