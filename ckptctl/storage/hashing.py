@@ -1,8 +1,8 @@
 """Content hashes of files, streamed with bounded memory.
 
 xxh3-128 by default (10+ GB/s here), sha256 on request. Local files are read with
-``readinto`` into reused buffers by a reader thread while the caller's thread hashes the
-previous buffer, so disk and CPU overlap; remote files stream through fsspec.
+``readinto`` into one reused per-thread buffer and hashed while it is in cache (several
+files hash in parallel from the caller's pool); remote files stream through fsspec.
 
 >>> import tempfile, pathlib
 >>> d = tempfile.mkdtemp(); _ = pathlib.Path(d, "f").write_bytes(b"abc")
@@ -13,7 +13,7 @@ previous buffer, so disk and CPU overlap; remote files stream through fsspec.
 from __future__ import annotations
 
 import hashlib
-import queue
+import os
 import threading
 from typing import Callable
 
@@ -48,43 +48,27 @@ def digest_bytes(data: bytes, algo: str = "xxh3-128") -> str:
     return h.hexdigest()
 
 
-def _local_blocks(path: str, on_bytes: Callable[[int], None] | None):
-    """Yield memoryviews of successive blocks, read ahead by one block in a thread."""
-    bufs = [bytearray(BLOCK) for _ in range(3)]
-    filled: queue.Queue = queue.Queue(maxsize=2)
-    free: queue.Queue = queue.Queue()
-    for b in bufs:
-        free.put(b)
-    err: list[BaseException] = []
+_tls = threading.local()
+LOCAL_BLOCK = 1 << 20  # stays in cache between read and hash; measured faster than 8 MiB
 
-    def reader():
-        try:
-            with open(path, "rb", buffering=0) as f:
-                while True:
-                    buf = free.get()
-                    n = f.readinto(buf)
-                    if not n:
-                        break
-                    filled.put((buf, n))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            err.append(e)
-        finally:
-            filled.put(None)
 
-    t = threading.Thread(target=reader, daemon=True)
-    t.start()
-    while True:
-        item = filled.get()
-        if item is None:
-            break
-        buf, n = item
-        yield memoryview(buf)[:n]
-        if on_bytes:
-            on_bytes(n)
-        free.put(buf)
-    t.join()
-    if err:
-        raise err[0]
+def _local_hash(path: str, h, on_bytes: Callable[[int], None] | None) -> int:
+    """Hash a local file with one reused buffer per thread: readinto, then update while the
+    block is still in cache. No fresh memory per file, no thread hand-offs."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None:
+        buf = _tls.buf = bytearray(LOCAL_BLOCK)
+    mv = memoryview(buf)
+    total = 0
+    with open(path, "rb", buffering=0) as f:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        while n := f.readinto(mv):
+            h.update(mv[:n])
+            total += n
+            if on_bytes:
+                on_bytes(n)
+    return total
 
 
 def hash_file(store: Store, rel: str, algo: str = "xxh3-128",
@@ -95,9 +79,7 @@ def hash_file(store: Store, rel: str, algo: str = "xxh3-128",
     path = store.local_path(rel)
     with store._errors(rel):
         if path is not None:
-            for block in _local_blocks(path, on_bytes):
-                h.update(block)
-                total += len(block)
+            total = _local_hash(path, h, on_bytes)
         else:
             with store.fs.open(store.full(rel), "rb", block_size=BLOCK) as f:
                 while block := f.read(BLOCK):
