@@ -199,17 +199,26 @@ def _numeric(v) -> bool:
 def write_section(name: str, body: str, path: Path = BENCHMARKS_MD) -> Path:
     """Put ``body`` between ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` in
     ``path`` (created with :data:`INTRO` when missing; the section is appended when new)."""
+    import fcntl
+
     start, end = f"<!-- bench:{name} -->", f"<!-- /bench:{name} -->"
-    text = path.read_text() if path.exists() else INTRO
     block = f"{start}\n{body.strip()}\n{end}"
     pat = re.compile(re.escape(start) + r".*?" + re.escape(end), re.S)
-    if pat.search(text):
-        text = pat.sub(lambda _: block, text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    # two benchmarks finishing at once must not lose each other's section
+    import hashlib
+    import tempfile
+
+    key = hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+    with open(Path(tempfile.gettempdir()) / f"bench-section-{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        text = path.read_text() if path.exists() else INTRO
+        if pat.search(text):
+            text = pat.sub(lambda _: block, text, count=1)
+        else:
+            text = text.rstrip("\n") + "\n\n" + block + "\n"
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)
     return path
 
 
@@ -297,8 +306,8 @@ def _gen_dcp_main(out: str, size_bytes: int, files: int, seed: int) -> None:
             w = torch.randn(shape) * 0.02 if len(shape) > 1 else torch.ones(shape)
             master[name] = w
             model[name] = w.to(torch.bfloat16)
-            state[name] = {"exp_avg": torch.randn(shape) * 1e-3,
-                           "exp_avg_sq": torch.rand(shape) * 1e-6,
+            m = torch.randn(shape) * 1e-3
+            state[name] = {"exp_avg": m, "exp_avg_sq": m.square().add_(1e-12),
                            "step": torch.tensor(100.0)}
     sd = {"model": model,
           "optim": {"state": state, "master": master,

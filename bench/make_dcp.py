@@ -18,7 +18,6 @@ has a handful of tensors and a 3 GB one a dozen or so.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import subprocess
 import sys
@@ -33,13 +32,10 @@ def layer_dims(size_bytes: int, tensor_bytes: int, adam: bool) -> list[int]:
     per_param = 4 * (3 if adam else 1)
     params = size_bytes / per_param
     per_tensor = max(IN_FEATURES, tensor_bytes / 4)
-    n = max(1, round(params / per_tensor))
-    out = params / (n * (IN_FEATURES + 1))
-    dims = []
-    for i in range(n):  # vary the widths a little, all odd
-        d = int(out * (1 + 0.04 * ((i % 3) - 1)))
-        dims.append(max(3, d | 1))
-    return dims
+    n = max(2, round(params / per_tensor))
+    weights = [1 + 0.04 * ((i % 3) - 1) for i in range(n)]  # vary the widths a little
+    rows = params / (IN_FEATURES + 1)  # weight rows + bias entries
+    return [max(3, int(rows * w / sum(weights)) | 1) for w in weights]  # all odd
 
 
 def worker(a) -> None:
@@ -89,7 +85,7 @@ def worker(a) -> None:
         total = sum(os.path.getsize(os.path.join(a.out, f)) for f in os.listdir(a.out))
         n = sum(1 for _ in model.parameters())
         print(f"{a.out}: {len(dims)} Linear({IN_FEATURES}, d) layers, d in {dims}, "
-              f"{n} parameters{' + Adam' if a.adam else ''}, {world} ranks, {total} bytes, "
+              f"{n} parameter tensors{' + Adam' if a.adam else ''}, {world} ranks, {total} bytes, "
               f"dcp.save {time.perf_counter() - t0:.1f}s", flush=True)
     dist.destroy_process_group()
 

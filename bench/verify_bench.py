@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -108,15 +107,19 @@ CAPTURE = ("ckptctl", "sha256sum", "xxhsum")  # small outputs worth keeping; cat
 
 
 def run_series(cmds: dict[str, list[str]], reps: int, files: list[Path], cold: bool, log,
-               slow_s: float = 8.0) -> tuple[dict[str, Series], int]:
-    """Each command ``reps`` times, round-robin so that drift hits all alike; a command
-    whose first run takes more than ``slow_s`` seconds (CPU-bound sha256sum) runs once.
+               slow_cpu_s: float = 5.0, ref_cpu_s: float = 2.0) -> tuple[dict[str, Series], int]:
+    """Each command ``reps`` times, round-robin so that drift hits all alike. A command
+    whose first run used more than ``slow_cpu_s`` CPU seconds, or a reference hasher (not
+    cat, not ckptctl) more than ``ref_cpu_s``, runs once: CPU-bound, such runs vary little,
+    and they would dominate the benchmark's run time (coreutils' sha256sum: ~3 s/GB).
     Returns the series and the most bytes found still cached right before a cold run."""
     series = {name: Series(name) for name in cmds}
     left_cached = 0
     for rep in range(reps):
         for name, cmd in cmds.items():
-            if rep and series[name].runs[0].wall_s > slow_s:
+            first = series[name].runs[0] if rep else None
+            if first and (first.cpu_s > slow_cpu_s or (
+                    Path(cmd[0]).name not in ("cat", "ckptctl") and first.cpu_s > ref_cpu_s)):
                 continue
             if cold:
                 evict(files)
@@ -133,22 +136,32 @@ def run_series(cmds: dict[str, list[str]], reps: int, files: list[Path], cold: b
 
 
 def rows_for(series: dict[str, Series], nbytes: int, ref: str = "cat") -> list[list]:
-    base = next((s.wall_s for n, s in series.items() if n.startswith(ref)), None)
+    ref_s = next((s for n, s in series.items() if n.startswith(ref)), None)
     rows = []
     for name, s in series.items():
-        gbs = nbytes / GB / s.wall_s
-        ratio = f"{base / s.wall_s:.2f}" if base else "-"
-        if "structure" in name:  # reads metadata only: no throughput
-            gbs_s, ratio = "-", "-"
+        best = min(r.wall_s for r in s.runs)
+        if "structure" in name or not ref_s:  # reads metadata only: no throughput
+            gbs_s, ratio, ratio_best = "-", "-", "-"
         else:
-            gbs_s = f"{gbs:.2f}"
+            gbs_s = f"{nbytes / GB / s.wall_s:.2f}"
+            ratio = f"{ref_s.wall_s / s.wall_s:.2f}"
+            ratio_best = f"{min(r.wall_s for r in ref_s.runs) / best:.2f}"
         rows.append([name, len(s.runs), f"{s.wall_s:.2f}", s.spread, f"{s.cpu_s:.2f}", gbs_s,
-                     ratio, f"{s.peak_rss_mb:.0f}"])
+                     ratio, ratio_best, f"{s.peak_rss_mb:.0f}"])
     return rows
 
 
 SMALL = "small: "
-HEADERS = ["command", "runs", "wall s (median)", "min-max", "CPU s", "GB/s", "x cat", "peak RSS MB"]
+HEADERS = ["command", "runs", "wall s (median)", "min-max", "CPU s", "GB/s", "x cat",
+           "x cat (best)", "peak RSS MB"]
+
+
+def _load1(text: str) -> float:
+    """The number in :func:`load_average`'s text (0 when unknown)."""
+    try:
+        return float(text.split()[0])
+    except (ValueError, IndexError):
+        return 0.0
 
 
 def wait_idle(limit_s: float, log) -> None:
@@ -167,8 +180,9 @@ def main(argv=None) -> int:
                     "reused by the next run when size and file count match")
     ap.add_argument("--reps", type=int, default=3, help="runs per command (median; default 3)")
     ap.add_argument("--workers", default="1,2,4", help="ckptctl --workers values (default 1,2,4)")
-    ap.add_argument("--scale-gb", type=float, default=1.0,
-                    help="size of the second checkpoint for the memory check (0: skip)")
+    ap.add_argument("--scale-gb", type=float, default=None,
+                    help="size of the second, smaller checkpoint for the memory and fixed-cost "
+                         "check (default: 1, or a quarter of --size-gb if smaller; 0: skip)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold runs")
     ap.add_argument("--wait-idle", type=float, default=0, metavar="S",
                     help="first wait up to S seconds for the 1-minute load average to fall "
@@ -177,6 +191,10 @@ def main(argv=None) -> int:
     ap.add_argument("--md", default=str(ROOT / "BENCHMARKS.md"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     workers = [int(w) for w in a.workers.split(",") if w]
+    if a.scale_gb is None:
+        a.scale_gb = min(1.0, a.size_gb / 4)
+    if a.scale_gb >= a.size_gb:
+        ap.error("--scale-gb must be smaller than --size-gb (or 0 to skip the scaling check)")
     log = lambda m: print(m, flush=True)  # noqa: E731
     t_start = time.monotonic()
     if a.wait_idle:
@@ -202,12 +220,13 @@ def main(argv=None) -> int:
             warm_cmds["openssl dgst -sha256"] = ["openssl", "dgst", "-sha256", *sfiles]
         for w in workers:
             warm_cmds[f"ckptctl verify full xxh3 w{w}"] = ckv(xdir, w)
-        for w in workers:
+        ends = sorted({min(workers), max(workers)})  # the sweep's ends where time is short
+        for w in ends:
             warm_cmds[f"ckptctl verify full sha256 w{w}"] = ckv(sdir, w)
         warm_cmds["ckptctl verify structure"] = ckv(xdir, 4, "structure")
         cold_cmds = {k: v for k, v in warm_cmds.items()
-                     if not ("sha256 w" in k and k != f"ckptctl verify full sha256 w{max(workers)}")
-                     and "structure" not in k and "openssl" not in k}
+                     if "structure" not in k and "openssl" not in k
+                     and not (" w" in k and int(k.rsplit("w", 1)[1]) != max(workers))}
 
         scale_cmds, sfiles2, nbytes2 = {}, [], 0
         if a.scale_gb:
@@ -271,18 +290,25 @@ def main(argv=None) -> int:
                       f"{setup['seal_sha256'].wall_s:.2f} s (`--hash sha256`, a hard-linked "
                       f"copy), page cache warm. " if "seal_xxh3" in setup else "")
                    + " ".join(n[0].upper() + n[1:] + "." for n in notes))
-        out.append(f"\nLoad average {load_before} before the run, {load_after} after: other "
+        busy = max(_load1(load_before), _load1(load_after))
+        out.append(("\n**The machine was busy with other work during this run: wall times are "
+                    "inflated and scattered; trust `CPU s`, `x cat (best)` and ratios more than "
+                    "absolute times.**\n" if busy >= 1.0 else "")
+                   + f"\nLoad average {load_before} before the run, {load_after} after: other "
                    f"work on the machine inflates and scatters the timings (`min-max`).")
-        out.append(f"\nMedians of {a.reps} runs, round-robin (a command slower than 8 s runs "
-                   f"once); `wN` is `--workers N` (default 4); "
+        out.append(f"\nMedians of {a.reps} runs, round-robin (a command using over 5 CPU seconds, "
+                   f"or a reference hasher over 2, runs once); `wN` is `--workers N` (default 4); "
                    f"wall time is process start to exit, so ckptctl's includes its start-up and "
                    f"the structure checks (`verify structure` row); `CPU s` is user + system time "
-                   f"of the process tree (above wall time when it runs in parallel).\n")
+                   f"of the process tree (median; above wall time when it runs in parallel); "
+                   f"`x cat` is cat's median wall time over the command's, `x cat (best)` the "
+                   f"same with the fastest runs (less sensitive to other jobs on the machine).\n")
         out.append(f"### Warm (page cache; {warm_res} of the bytes resident before the runs)\n")
         out.append(table(HEADERS, rows_for(warm_series, nbytes)))
         if cold_series:
             out.append(f"\n### Cold (guest page cache dropped per file before every run)\n")
-            out.append(f"`posix_fadvise(POSIX_FADV_DONTNEED)` on each file; `fincore` found at most "
+            out.append(f"`posix_fadvise(POSIX_FADV_DONTNEED)` on each file; `fincore` found at "
+                       f"most "
                        f"{left} bytes still cached before a run. Dropping all caches "
                        f"(`/proc/sys/vm/drop_caches`) is not possible here, and the VM host "
                        f"caches the disk too: the first cold read after writing ran at "
@@ -293,28 +319,37 @@ def main(argv=None) -> int:
             nbytes2, ss = scale
             out.append(f"\n### Scaling: {nbytes2 / GB:.2f} GB vs {nbytes / GB:.2f} GB (warm)\n")
             rows = []
+            dgb = (nbytes - nbytes2) / GB
 
-            def marginal(name):
-                big, small = warm_series.get(name), ss.get(name)
-                if big and small and "structure" not in name and big.wall_s > small.wall_s:
-                    return (nbytes - nbytes2) / GB / (big.wall_s - small.wall_s)
-                return None
+            def best(series):
+                return min(r.wall_s for r in series.runs)
 
-            cat_m = marginal("cat > /dev/null")
+            cat_big = warm_series.get("cat > /dev/null")
+            cat_gbs = nbytes / GB / best(cat_big) if cat_big else None
             for name, s in ss.items():
                 big = warm_series.get(name)
-                m = marginal(name)
+                m = cpu_per_gb = None
+                if big and "structure" not in name:
+                    if best(big) > best(s):
+                        m = dgb / (best(big) - best(s))
+                    cpu_per_gb = (big.cpu_s - s.cpu_s) / dgb
                 rows.append([name, f"{s.wall_s:.2f}", f"{big.wall_s:.2f}" if big else "-",
                              f"{s.peak_rss_mb:.0f}", f"{big.peak_rss_mb:.0f}" if big else "-",
+                             f"{s.cpu_s:.2f}", f"{big.cpu_s:.2f}" if big else "-",
+                             f"{cpu_per_gb:.2f}" if cpu_per_gb is not None else "-",
                              f"{m:.2f}" if m else "-",
-                             f"{m / cat_m:.2f}" if m and cat_m else "-"])
+                             f"{m / cat_gbs:.2f}" if m and cat_gbs else "-"])
             sg, bg = f"{nbytes2 / GB:.2g} GB", f"{nbytes / GB:.2g} GB"
             out.append(table(["command", f"wall s {sg}", f"wall s {bg}", f"peak RSS MB {sg}",
-                              f"peak RSS MB {bg}", "marginal GB/s", "marginal x cat"], rows))
-            out.append("\n`marginal GB/s`: the extra bytes over the extra time between the two "
-                       "sizes, i.e. the streaming rate without fixed costs (interpreter start, "
-                       "imports, metadata checks: the `verify structure` row). Medians of "
-                       f"{a.reps} runs each.")
+                              f"peak RSS MB {bg}", f"CPU s {sg}", f"CPU s {bg}",
+                              "CPU s per extra GB", "marginal GB/s", "marginal x cat"], rows))
+            out.append("\nThe difference between the two sizes isolates the streaming from the "
+                       "fixed costs (interpreter start, imports, metadata checks: the `verify "
+                       "structure` row). `CPU s per extra GB`: the extra CPU time (medians) per "
+                       "extra GB, robust to other jobs on the machine; `marginal GB/s`: the extra "
+                       "bytes over the extra wall time (fastest runs); `marginal x cat`: that "
+                       f"over cat's throughput on the {bg} checkpoint (fastest run; cat has no "
+                       "fixed cost to speak of).")
         text = "\n".join(out) + "\n"
         print("\n" + text)
         if not a.no_write:

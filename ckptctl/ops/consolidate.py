@@ -22,7 +22,7 @@ from ..formats.torchsave import SUFFIXES
 from ..model import DTYPES, Checkpoint, dtype_from_name
 from ..storage import HashingWriter, Store, open_store, split_url
 from .closure import classify, parse_parts
-from .copier import chunk_blocks, dtype_converter, prefetch
+from .copier import BlockStream, dtype_converter, stream_depth
 from .plan import consolidation_plan
 from .reshard import (DEFAULT_MAX_MEMORY, _execute, _require_empty, commit_output,
                       object_payload, parse_size)
@@ -119,14 +119,16 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
         return ConsolidateResult(src, dst, to, ["__0_0.distcp", ".metadata"], len(tensors),
                                  len(objects), 0, r.bytes_written, r.seconds, r.manifest_id)
     by_name = {tc.name: tc for tc in plan.chunks}
-    budget = max(1 << 20, max_memory // 4)
 
-    def blocks(name: str):
-        tc = by_name[name]
-        conv = None
+    def convert_for(tc):
         if conv_to and tc.dtype.kind == "float" and tc.dtype.name != conv_to:
-            conv = dtype_converter(tc.dtype.name, conv_to)
-        return prefetch(chunk_blocks(ck, tc, budget, conv))
+            return dtype_converter(tc.dtype.name, conv_to)
+        return None
+
+    def stream(names: list[str], streams: int) -> BlockStream:
+        """One read-ahead stream over the tensors of one output file, in write order."""
+        return BlockStream(ck, [by_name[n] for n in names],
+                           depth=stream_depth(max_memory, streams), convert_for=convert_for)
 
     def out_dtype(name: str) -> str:
         d = ck.tensors[name].dtype
@@ -136,10 +138,10 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     if len(set(renamed.values())) != len(renamed):
         raise UsageError("--strip-prefix makes two entries collide")
     if to == "torch":
-        out = _write_torch(ck, dst, opts, tensors, objects, renamed, blocks, out_dtype,
+        out = _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype,
                            strip_prefix, on_bytes)
     else:
-        out = _write_safetensors(dst, opts, ck, tensors, renamed, blocks, out_dtype,
+        out = _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype,
                                  parse_size(max_shard_size), workers, on_bytes)
     mid = None
     if out.folder:  # a folder is a checkpoint: commit it; a lone .pt file has no manifest
@@ -159,7 +161,7 @@ class _Written:
     folder: bool
 
 
-def _write_safetensors(dst, opts, ck, tensors, renamed, blocks, out_dtype, max_shard,
+def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_shard,
                        workers, on_bytes) -> _Written:
     entries = []
     for n in tensors:
@@ -175,15 +177,17 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, blocks, out_dtype, max_s
     store = open_store(dst, opts)
     _require_empty(store)
     hashes: dict[str, tuple[str, int]] = {}
+    nstreams = max(1, min(workers, len(shards)))
 
     def one(job):
         shard, fname = job
+        s = stream([by_out[e[0]] for e in shard], nstreams)
         with _LocalAtomic(store, fname) as f:
             w = HashingWriter(f, on_bytes=on_bytes)
-            write_file(w, shard, lambda out: blocks(by_out[out]), {"format": "pt"})
+            write_file(w, shard, lambda out: s.blocks(by_out[out]), {"format": "pt"})
         return fname, w.result()
 
-    with ThreadPoolExecutor(max(1, min(workers, len(shards)))) as pool:
+    with ThreadPoolExecutor(nstreams) as pool:
         hashes.update(pool.map(one, zip(shards, names)))
     if len(shards) > 1:
         data = index_json(shards, names)
@@ -243,7 +247,7 @@ def _decode_object(ck: Checkpoint, name: str):
                                f"weights-only loader ({str(e).splitlines()[0][:100]})") from None
 
 
-def _write_torch(ck, dst, opts, tensors, objects, renamed, blocks, out_dtype, strip,
+def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype, strip,
                  on_bytes) -> _Written:
     from ..formats.torchwrite import TensorRef, TorchZipWriter, pickle_state
 
@@ -269,10 +273,11 @@ def _write_torch(ck, dst, opts, tensors, objects, renamed, blocks, out_dtype, st
     refs = {n: TensorRef(str(i), out_dtype(n), ck.tensors[n].shape) for i, n in enumerate(tensors)}
     tree = _nest([(out_path(n), refs[n]) for n in tensors]
                  + [(out_path(n), _decode_object(ck, n)) for n in objects])
+    s = stream(tensors, 1)
     with _LocalAtomic(store, fname) as f:
         w = HashingWriter(f, on_bytes=on_bytes)
         zw = TorchZipWriter(w, pickle_state(tree))
         for n in tensors:
-            zw.write_record(refs[n].key, blocks(n))
+            zw.write_record(refs[n].key, s.blocks(n))
         zw.close()
     return _Written(store, {fname: w.result()}, not single_file)

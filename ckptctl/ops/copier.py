@@ -66,8 +66,10 @@ def fill_rows(ck: Checkpoint, tc: TargetChunk, r0: int, r1: int,
 
 
 def chunk_blocks(ck: Checkpoint, tc: TargetChunk, budget: int,
-                 convert: Converter | None = None) -> Iterator[memoryview | bytes]:
-    """The target chunk's row-major bytes, in blocks of about ``budget`` bytes."""
+                 convert: Converter | None = None,
+                 pool: "_BufferPool | None" = None) -> Iterator[memoryview | bytes]:
+    """The target chunk's row-major bytes, in blocks of about ``budget`` bytes, each valid
+    until the next one is asked for (the buffers are reused)."""
     if not tc.sizes or tc.dtype.bits % 8 or not tc.pieces:
         if not tc.pieces:
             return
@@ -80,7 +82,7 @@ def chunk_blocks(ck: Checkpoint, tc: TargetChunk, budget: int,
     for s in tc.sizes[1:]:
         inner *= s
     row = max(tc.dtype.nbytes(inner), _src_row_bytes(tc))
-    pool = _BufferPool(BUFFERS)
+    pool = pool or _BufferPool(BUFFERS)
     vt = byte_dtype(tc.dtype)
     for r0, r1 in row_ranges(tc.sizes[0], row_bytes=row, budget=budget):
         shape = (r1 - r0, *tc.sizes[1:])
@@ -108,6 +110,57 @@ class _BufferPool:
         if buf is None or buf.nbytes < nbytes:
             buf = self.bufs[i] = np.empty(nbytes, dtype=np.uint8)
         return buf[:nbytes]
+
+
+#: Largest block moved at once: small enough to stay in the CPU cache between the read and
+#: the write (a 64 MiB block ran at 0.7-1.9 GB/s, 4 MiB at 2.6-3.2 GB/s, page cache to
+#: page cache here) and under glibc's threshold for fresh mmap'ed allocations.
+IO_BLOCK = 4 << 20
+
+
+def stream_depth(max_memory: int, streams: int) -> int:
+    """Blocks to read ahead per write stream so that all streams stay within
+    ``max_memory`` (each holds depth + 2 blocks of :data:`IO_BLOCK`).
+
+    >>> stream_depth(1 << 30, 4), stream_depth(8 << 20, 1)
+    (14, 1)
+    """
+    return max(1, min(14, max_memory // (max(1, streams) * IO_BLOCK) - 2))
+
+
+class BlockStream:
+    """The blocks of several target chunks, in write order, read ahead ``depth`` blocks by
+    one thread (so reading overlaps writing across chunk boundaries too), through one
+    pool of reused buffers. A writer asks for each chunk's blocks in the same order:
+    ``for tc in chunks: write(stream.blocks(tc.name))``.
+    """
+
+    def __init__(self, ck: Checkpoint, chunks: list[TargetChunk], *, depth: int,
+                 convert_for: Callable[[TargetChunk], Converter | None] = lambda tc: None):
+        pool = _BufferPool(depth + 2)  # filled, queued (depth), being written
+        budget = IO_BLOCK
+
+        def gen():
+            for tc in chunks:
+                for b in chunk_blocks(ck, tc, budget, convert_for(tc), pool):
+                    yield tc.name, b
+
+        self._it = prefetch(gen(), depth)
+        self._pending: tuple[str, object] | None = None
+
+    def blocks(self, name: str) -> Iterator:
+        """The blocks of chunk ``name``: the next chunk in write order."""
+        while True:
+            if self._pending is None:
+                try:
+                    self._pending = next(self._it)
+                except StopIteration:
+                    return
+            if self._pending[0] != name:
+                return
+            block = self._pending[1]
+            self._pending = None
+            yield block
 
 
 def prefetch(it: Iterator, depth: int = 1) -> Iterator:

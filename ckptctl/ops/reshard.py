@@ -23,7 +23,6 @@ from ..formats.detect import open_checkpoint
 from ..layout import Rules, load_rules, parse_mesh, preset
 from ..model import Checkpoint
 from ..storage import Store, open_store
-from .copier import chunk_blocks, prefetch
 from .plan import Plan, consolidation_plan, make_plan
 
 DEFAULT_MAX_MEMORY = 1 << 30
@@ -127,22 +126,23 @@ def write_dcp(ck: Checkpoint, plan: Plan, dst: Store, *, max_memory: int, worker
               convert_dtype: str | None = None,
               on_bytes: Callable[[int], None] | None = None) -> DcpWriter:
     """Execute ``plan`` into a DCP checkpoint at ``dst`` (data files, then ``.metadata``)."""
-    from .copier import dtype_converter
+    from .copier import BlockStream, dtype_converter, stream_depth
 
     by_rank = {r: cs for r, cs in plan.by_rank().items() if cs or r == 0}
     nworkers = max(1, min(workers, len(by_rank)))
-    budget = max(1 << 20, max_memory // (3 * nworkers))
     writer = DcpWriter(dst, on_bytes=on_bytes)
 
+    def converts(tc) -> bool:
+        return bool(convert_dtype and tc.dtype.kind == "float" and tc.dtype.name != convert_dtype)
+
     def items(rank):
+        stream = BlockStream(ck, by_rank[rank], depth=stream_depth(max_memory, nworkers),
+                             convert_for=lambda tc: dtype_converter(tc.dtype.name, convert_dtype)
+                             if converts(tc) else None)
         for tc in by_rank[rank]:
-            dtype = tc.dtype.name
-            conv = None
-            if convert_dtype and tc.dtype.kind == "float" and dtype != convert_dtype:
-                conv, dtype = dtype_converter(dtype, convert_dtype), convert_dtype
+            dtype = convert_dtype if converts(tc) else tc.dtype.name
             shape = ck.tensors[tc.name].shape
-            yield ("tensor", tc.name, dtype, shape, tc.offsets, tc.sizes,
-                   prefetch(chunk_blocks(ck, tc, budget, conv)))
+            yield ("tensor", tc.name, dtype, shape, tc.offsets, tc.sizes, stream.blocks(tc.name))
         if rank == 0:
             for name in plan.objects:
                 yield ("object", name, object_payload(ck, name))
