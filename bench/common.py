@@ -336,3 +336,14 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def ckptctl_exe() -> str:
+    """The ckptctl of this venv (or on PATH)."""
+    cand = Path(sys.executable).parent / "ckptctl"
+    if cand.exists():
+        return str(cand)
+    found = shutil.which("ckptctl")
+    if not found:
+        sys.exit("ckptctl not found: run from the venv (.venv/bin/python bench/...)")
+    return found

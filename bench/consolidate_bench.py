@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -47,32 +46,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (GB, ROOT, Series, evict, load_average, machine_facts, measure,  # noqa: E402
-                    resident_bytes, table, tool_version, warm, write_section)
+from common import (GB, ROOT, Series, ckptctl_exe, evict, load_average,  # noqa: E402
+                    machine_facts, measure, resident_bytes, table, tool_version, warm,
+                    write_section)
+from ckptctl.ops.reshard import parse_size  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 RSS_SLACK_MB = 300  # the goal's "+ 300 MB", taken as MiB like ru_maxrss
-
-
-def ckptctl_exe() -> str:
-    cand = Path(sys.executable).parent / "ckptctl"
-    if cand.exists():
-        return str(cand)
-    found = shutil.which("ckptctl")
-    if not found:
-        sys.exit("ckptctl not found: run from the venv "
-                 "(.venv/bin/python bench/consolidate_bench.py)")
-    return found
-
-
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"\s*([\d.]+)\s*([KMGT]?)(i?)B?\s*", text, re.I)
-    if not m:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}")
-    num, unit, binary = float(m.group(1)), m.group(2).upper(), m.group(3)
-    power = "KMGT".index(unit) + 1 if unit else 0
-    return int(num * (1024 if binary else 1000) ** power)
 
 
 def files_under(d: Path) -> list[Path]:
@@ -288,7 +269,7 @@ def main(argv=None) -> int:
     t_start = time.monotonic()
     load_before = load_average()
     ck = ckptctl_exe()
-    max_mem_b = parse_size(a.max_memory)
+    max_mem_b = parse_size(a.max_memory)  # ckptctl's own parser: same meaning as the flag
     base = Path(a.keep).resolve() if a.keep else Path(tempfile.mkdtemp(prefix="consolidate-bench-"))
     base.mkdir(parents=True, exist_ok=True)
     sizes = sorted({s for s in (a.small_gb, a.size_gb) if s})

@@ -37,21 +37,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (GB, ROOT, Series, evict, generate_dcp, load_average,  # noqa: E402
+from common import (GB, ROOT, Series, ckptctl_exe, evict, generate_dcp, load_average,  # noqa: E402
                     machine_facts, measure, resident_bytes, table, tool_version, warm,
                     write_section)
 
 MANIFEST = "ckptctl.manifest.json"
-
-
-def ckptctl_exe() -> str:
-    cand = Path(sys.executable).parent / "ckptctl"
-    if cand.exists():
-        return str(cand)
-    found = shutil.which("ckptctl")
-    if not found:
-        sys.exit("ckptctl not found: run from the venv (.venv/bin/python bench/verify_bench.py)")
-    return found
 
 
 def checkpoint_files(d: Path) -> list[Path]:
@@ -270,7 +260,7 @@ def main(argv=None) -> int:
         facts = machine_facts()
         load_after = load_average()
         out = []
-        out.append(f"## verify --level full vs cat / sha256sum / xxhsum\n")
+        out.append("## verify --level full vs cat / sha256sum / xxhsum\n")
         out.append(f"Run {facts['date']} on {facts['cpu']}, {facts.get('memory', '?')} RAM, "
                    f"kernel {facts['kernel']}, Python {facts['python']}; "
                    f"{tool_version(['sha256sum', '--version'])}"
@@ -306,7 +296,7 @@ def main(argv=None) -> int:
         out.append(f"### Warm (page cache; {warm_res} of the bytes resident before the runs)\n")
         out.append(table(HEADERS, rows_for(warm_series, nbytes)))
         if cold_series:
-            out.append(f"\n### Cold (guest page cache dropped per file before every run)\n")
+            out.append("\n### Cold (guest page cache dropped per file before every run)\n")
             out.append(f"`posix_fadvise(POSIX_FADV_DONTNEED)` on each file; `fincore` found at "
                        f"most "
                        f"{left} bytes still cached before a run. Dropping all caches "
