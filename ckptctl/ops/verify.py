@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -279,9 +280,10 @@ class _Checker:
                     self.add(code, msg, path=self.store.display(rel), entry=name)
 
     # ------------------------------------------------------------ full
-    def full(self):
+    def full(self, *, hashed: bool = False):
         if self.manifest is not None:
-            self._hash_files()
+            if not hashed:
+                self._hash_files()
         elif not self.check_finite:
             self._decode_all(finite=False)
         if self.check_finite:
@@ -378,11 +380,28 @@ class _Checker:
         t0 = time.monotonic()
         self.quick()
         fatal = self.ck is None
+        hashing = None
+        if not fatal and self.level == "full" and self.manifest is not None:
+            # content hashes need only the manifest: stream them while structure runs
+            failure: list[BaseException] = []
+
+            def run_hashes():
+                try:
+                    self._hash_files()
+                except BaseException as e:  # noqa: BLE001 - re-raised below, never lost
+                    failure.append(e)
+
+            hashing = threading.Thread(target=run_hashes, daemon=True)
+            hashing.start()
         if not fatal and self.level in ("structure", "full"):
             self.store.cache_small_files(self.files)  # reading chunks: whole small files
             self.structure()
+        if hashing is not None:
+            hashing.join()
+            if failure:
+                raise failure[0]
         if not fatal and self.level == "full":
-            self.full()
+            self.full(hashed=hashing is not None)
         r = self.result
         if not r.files_checked:
             r.files_checked = len(getattr(self, "files", {}))
