@@ -75,18 +75,11 @@ def test_pickle_with_os_system_nested_in_real_metadata(tiny_dcp, cli, tmp_path):
     assert not canary.exists()
 
 
-def test_relative_path_escaping_root(tiny_dcp, cli):
+@pytest.mark.parametrize("path", ["../../etc/passwd", "/etc/passwd", "a/../../x.distcp"])
+def test_relative_path_escaping_root(tiny_dcp, cli, path):
     def escape(md):
         for info in md.storage_data.values():
-            info.relative_path = "../../etc/passwd"
-    _patch_metadata(tiny_dcp, escape)
-    _one_line_error(cli, tiny_dcp, "escapes the checkpoint root")
-
-
-def test_absolute_relative_path(tiny_dcp, cli):
-    def escape(md):
-        for info in md.storage_data.values():
-            info.relative_path = "/etc/passwd"
+            info.relative_path = path
     _patch_metadata(tiny_dcp, escape)
     _one_line_error(cli, tiny_dcp, "escapes the checkpoint root")
 
