@@ -16,6 +16,27 @@ EXIT_OPERATIONAL = 3
 EXIT_INTERRUPTED = 130
 
 
+def shorten(text: str, limit: int = 120) -> str:
+    """``text`` cut to at most ``limit`` characters at a word boundary, with an ellipsis;
+    only its first line is kept. Messages are never cut mid-word.
+
+    >>> shorten("unpickling stack underflow while reading data.pkl", 30)
+    'unpickling stack underflow...'
+    >>> shorten("unpickling stack underflow", 16)
+    'unpickling stack...'
+    >>> shorten("short", 30), shorten("", 30)
+    ('short', '')
+    """
+    lines = str(text).strip().splitlines()
+    line = lines[0].strip() if lines else ""
+    if len(line) <= limit:
+        return line
+    cut = line[:limit]
+    if line[limit] != " " and " " in cut.rstrip():  # drop the word the limit falls in
+        cut = cut[:cut.rstrip().rfind(" ")]
+    return cut.rstrip(" ,;:([{") + "..."
+
+
 class CkptError(Exception):
     """Base class: a one-line, user-facing message and an exit code.
 

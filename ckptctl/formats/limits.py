@@ -9,9 +9,10 @@ ckptctl.errors.UnsafeInputError: x.safetensors: w: shape [1099511627776, 1099511
 """
 from __future__ import annotations
 
+import json
 import math
 
-from ..errors import UnsafeInputError
+from ..errors import FormatError, UnsafeInputError
 
 #: safetensors' own limit on its JSON header.
 MAX_SAFETENSORS_HEADER = 100_000_000
@@ -31,3 +32,21 @@ def check_shape(shape, dtype, *, where: str = "") -> int:
     if nbytes > MAX_TENSOR_BYTES or any(s > MAX_TENSOR_BYTES for s in shape):
         raise UnsafeInputError(where or None, f"shape {list(shape)} is absurdly large")
     return nbytes
+
+
+def load_json(data: bytes | str, where: str, what: str = "file"):
+    """Parse JSON read from a checkpoint: bad or absurdly nested input (json recurses per
+    level) is one :class:`FormatError` naming ``where``, never a RecursionError.
+
+    >>> load_json(b'{"a": [1]}', "x.json")
+    {'a': [1]}
+    >>> load_json("[" * 100000 + "]" * 100000, "x.json", "index")
+    Traceback (most recent call last):
+    ckptctl.errors.FormatError: x.json: index nests too deeply
+    """
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise FormatError(where, f"{what} nests too deeply") from None
+    except (UnicodeDecodeError, ValueError):
+        raise FormatError(where, f"{what} is not valid JSON") from None

@@ -126,3 +126,79 @@ def dcp_allowed_globals(dtype_names) -> dict[tuple[str, str], object]:
         allowed[("torch", name)] = TorchName(name)
     return allowed
 
+
+
+# --------------------------------------------------------------------------- weights-only scan
+
+#: Globals torch's ``weights_only`` loader admits by default (torch 2.x
+#: ``_weights_only_unpickler._get_allowed_globals``), as (module, name) predicates.
+_WO_EXACT = {
+    ("collections", "OrderedDict"), ("collections", "Counter"), ("torch", "Size"),
+    ("torch", "Tensor"), ("torch", "device"), ("torch.nn.parameter", "Parameter"),
+    ("torch.serialization", "_get_layout"), ("_codecs", "encode"), ("builtins", "bytearray"),
+    ("builtins", "set"), ("builtins", "complex"), ("torch._tensor", "_rebuild_from_type_v2"),
+    ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
+}
+_WO_TORCH_MODULES = ("torch", "torch.cuda", "torch.cuda.sparse", "torch.sparse")
+
+
+def _weights_only_allowed(module: str, name: str) -> bool:
+    if (module, name) in _WO_EXACT:
+        return True
+    if module == "torch._utils":
+        return name.startswith("_rebuild_")
+    if module in _WO_TORCH_MODULES:
+        return (name.endswith(("Tensor", "Storage")) or name.startswith(("float", "int", "uint",
+                "bfloat", "complex", "bool", "bits", "qint", "quint", "per_"))
+                or name in ("half", "double", "long", "short", "cfloat", "cdouble", "strided",
+                            "sparse_coo", "channels_last", "contiguous_format"))
+    return False
+
+
+class _Inert:
+    """Stands for any allowed global while scanning: accepts every call and state."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __call__(self, *args, **kwargs):
+        return _Inert()
+
+    def __setstate__(self, state):
+        pass
+
+
+_SAFE_BUILTINS = {("collections", "OrderedDict"): dict, ("collections", "Counter"): dict,
+                  ("builtins", "set"): set, ("builtins", "bytearray"): bytearray,
+                  ("builtins", "complex"): complex, ("_codecs", "encode"): lambda *a: b""}
+
+
+def scan_weights_only(data: bytes, *, where: str = "") -> None:
+    """Refuse (UnsafeInputError) a pickle naming any global that torch's ``weights_only``
+    loader would refuse; nothing in it runs (every allowed global is an inert stand-in).
+
+    >>> import pickle, collections
+    >>> scan_weights_only(pickle.dumps(collections.OrderedDict(a=1)))
+    >>> scan_weights_only(pickle.dumps(print))
+    Traceback (most recent call last):
+    ckptctl.errors.UnsafeInputError: pickle names builtins.print, which the weights-only loader refuses
+    """
+
+    class _Scanner(pickle.Unpickler):
+        def find_class(self, module, name):
+            if not _weights_only_allowed(module, name):
+                raise UnsafeInputError(None, f"pickle names {module}.{name}, which the "
+                                       "weights-only loader refuses")
+            return _SAFE_BUILTINS.get((module, name)) or _Inert()
+
+        def persistent_load(self, pid):
+            return _Inert()
+
+    try:
+        _Scanner(io.BytesIO(data)).load()
+    except UnsafeInputError as e:
+        raise UnsafeInputError(where or None, e.message) from None
+    except RecursionError:
+        raise FormatError(where or None, "pickle nests too deeply") from None
+    except Exception as e:  # noqa: BLE001 - malformed pickle
+        raise FormatError(where or None, f"malformed pickle ({type(e).__name__})") from None
