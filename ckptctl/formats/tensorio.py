@@ -9,14 +9,17 @@ dtype('V2')
 """
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
 from ..errors import FormatError
 from ..model import Checkpoint, Chunk, DType, Extent, ObjectEntry, TensorEntry
 from .safe_pickle import loads_primitive
-from .torchzip import central_directory, payload_span
+from .torchzip import (TAIL_GUESS, StoredTensor, ZipEntry, central_directory,
+                       local_data_offset, parse_tensor_pickle, payload_entry, payload_span)
 
 #: Chunks up to this size are read in one request (zip and all) rather than located
 #: first (two small requests) and then sliced: on S3 requests cost more than bytes.
@@ -30,84 +33,146 @@ def byte_dtype(dtype: DType) -> np.dtype:
     return np.dtype(f"V{dtype.itemsize}")
 
 
-def _decompress(blob: bytes, where: str, limit: int) -> bytes:
-    """Decompress a zstd stream, refusing to produce more than ``limit`` bytes (a bomb)."""
+def decompress_bounded(blob: bytes, where: str, limit: int) -> bytes:
+    """Decompress a (small) zstd stream whole, refusing to produce more than ``limit``
+    bytes (a bomb). Tensor chunks stream through :class:`~.zstdchunk.ZstdChunk` instead."""
     import zstandard
 
+    out = bytearray()
     try:
         with zstandard.ZstdDecompressor().stream_reader(blob, read_across_frames=True) as r:
-            out = r.read(limit + 1)
+            while block := r.read(min(1 << 20, limit + 1 - len(out))):
+                out += block
+                if len(out) > limit:
+                    raise FormatError(where, f"zstd stream expands past {limit} bytes")
     except zstandard.ZstdError as e:
         raise FormatError(where, f"zstd stream is corrupt ({e})") from None
-    if len(out) > limit:
-        raise FormatError(where, f"zstd stream expands past {limit} bytes")
-    return out
+    return bytes(out)
 
 
 def extent_payload(ck: Checkpoint, ext: Extent, *, record: str = "data/0",
                    expect: int | None = None) -> memoryview:
-    """The payload an extent encodes: raw bytes, or the ``record`` inside a DCP chunk zip.
-    ``expect``: the payload's expected size, bounding decompression."""
+    """The payload an extent encodes: raw bytes, or the ``record`` inside a DCP zip (read
+    whole: objects and small chunks). ``expect``: the payload's expected size, bounding
+    decompression."""
     store = ck.store
     where = store.display(ext.file)
     blob = store.read_range(ext.file, ext.offset, ext.offset + ext.length)
     if len(blob) != ext.length:
         raise FormatError(where, f"file ends {ext.length - len(blob)} bytes short of a "
-                          f"chunk at offset {ext.offset}")
+                          f"chunk at offset {ext.offset}", code="SIZE_MISMATCH")
     if ext.encoding == "raw":
         return memoryview(blob)
     if ext.encoding == "torch_zip+zstd":
-        blob = _decompress(blob, where, (expect if expect is not None else 1 << 30)
-                           + ZIP_OVERHEAD_BOUND)
+        blob = decompress_bounded(blob, where, (expect if expect is not None else 1 << 30)
+                                  + ZIP_OVERHEAD_BOUND)
     if ext.encoding not in ("torch_zip", "torch_zip+zstd"):
         raise FormatError(where, f"cannot read encoding {ext.encoding!r}")
     if record == "data/0":
         off, n = payload_span(blob, where=where)
         return memoryview(blob)[off:off + n]
-    return memoryview(_zip_record(blob, record, where))
+    return memoryview(zip_record(blob, record, where))
 
 
-def _zip_record(blob: bytes, suffix: str, where: str) -> bytes:
-    from .torchzip import local_data_offset
-
+def zip_record(blob: bytes, suffix: str, where: str) -> bytes:
+    """The stored record whose name ends in ``/suffix`` of a whole zip in memory."""
     entries, _ = central_directory(blob, len(blob), where=where)
     for en in entries:
         if en.name.endswith("/" + suffix) and en.method == 0:
             off = local_data_offset(blob[en.header_offset:en.header_offset + 512], en, where=where)
             return blob[off:off + en.usize]
-    raise FormatError(where, f"zip has no stored {suffix} record")
+    raise FormatError(where, f"zip has no stored {suffix} record", code="MALFORMED_CHUNK")
 
 
-def chunk_bytes(ck: Checkpoint, t: TensorEntry, c: Chunk) -> memoryview:
-    """The row-major bytes of one chunk, length-checked."""
-    want = t.dtype.nbytes(c.numel)
-    if c.extent.encoding == "torch_save":
-        from .torchsave import tensor_bytes
-
-        data = tensor_bytes(ck, t.name)
-    else:
-        data = extent_payload(ck, c.extent, expect=want)
-    if len(data) != want:
-        raise FormatError(ck.store.display(c.extent.file),
-                          f"{t.name}: chunk holds {len(data)} bytes, {want} expected")
-    return data
+# --------------------------------------------------------------------------- chunk zips
 
 
-def payload_location(ck: Checkpoint, ext: Extent) -> tuple[int, int]:
-    """(absolute offset, length) of an uncompressed extent's tensor bytes in its file.
+@dataclass(frozen=True)
+class Payload:
+    """Where a DCP chunk zip keeps its tensor: the storage record's absolute byte range in
+    the file, the tensor's layout over that storage, and the zip's directory (for CRC
+    checks of every record)."""
 
-    For a DCP chunk zip this costs two small reads (the zip's tail, then one local
-    header), cached per checkpoint; the tensor bytes themselves are not read.
-    """
-    if ext.encoding == "raw":
-        return ext.offset, ext.length
+    offset: int
+    length: int
+    stored: StoredTensor
+    entries: tuple[ZipEntry, ...]
+
+    def row_major_span(self, dtype: DType) -> tuple[int, int] | None:
+        """(absolute offset, length) of the tensor's row-major bytes, or None when the
+        tensor is strided (a transpose, ``channels_last``) and must be gathered."""
+        if not self.stored.is_row_major():
+            return None
+        return (self.offset + dtype.nbytes(self.stored.storage_offset),
+                dtype.nbytes(self.stored.numel))
+
+
+def check_stored(t: TensorEntry, c: Chunk, st: StoredTensor, storage_bytes: int,
+                 where: str) -> None:
+    """The tensor a chunk zip holds must be the one the metadata describes: same dtype,
+    same sizes, a storage of exactly the record's length that the view stays inside."""
+    if st.dtype != t.dtype.name:
+        raise FormatError(where, f"{t.name}: chunk holds {st.dtype}, metadata says "
+                          f"{t.dtype.name}", code="DTYPE_SIZE_MISMATCH")
+    if st.size != tuple(c.sizes):
+        raise FormatError(where, f"{t.name}: chunk holds shape {list(st.size)}, metadata says "
+                          f"{list(c.sizes)}", code="DTYPE_SIZE_MISMATCH")
+    if t.dtype.nbytes(st.storage_numel) != storage_bytes:
+        raise FormatError(where, f"{t.name}: chunk at {list(c.offsets)} stores {storage_bytes} "
+                          f"bytes, its data.pkl declares {t.dtype.nbytes(st.storage_numel)}",
+                          code="DTYPE_SIZE_MISMATCH")
+    if st.span() > st.storage_numel:
+        raise FormatError(where, f"{t.name}: chunk's view reaches past its storage",
+                          code="OUT_OF_BOUNDS")
+    if t.dtype.bits % 8 and not st.is_row_major():
+        raise FormatError(where, f"{t.name}: strided sub-byte tensor", code="MALFORMED_CHUNK")
+
+
+def locate_payload(ck: Checkpoint, ext: Extent) -> Payload:
+    """The :class:`Payload` of an uncompressed DCP chunk zip, from two small reads (the
+    zip's tail, then its head: ``data.pkl`` and the tensor record's local header), cached
+    per checkpoint; the tensor bytes themselves are not read."""
     if ext.encoding != "torch_zip":
         raise FormatError(ck.store.display(ext.file), f"{ext.encoding} bytes cannot be sliced")
-    cache = ck.info.setdefault("payload_locations", {})
+    cache = ck.info.setdefault("payloads", {})
     if ext in cache:
         return cache[ext]
-    from .torchzip import TAIL_GUESS, payload_entry
+    where = ck.store.display(ext.file)
+    entries = zip_entries(ck, ext)
+    en = payload_entry(entries, where=where)
+    pkl = [e for e in entries if e.name.endswith("/data.pkl") or e.name == "data.pkl"]
+    if len(pkl) != 1 or pkl[0].method != 0:
+        raise FormatError(where, "chunk zip has no single stored data.pkl", code="MALFORMED_CHUNK")
+    # One read of the zip's head covers data.pkl and the tensor record's header when they
+    # sit in the first 64 KiB, as torch writes them; else read each.
+    head_end = max(en.header_offset + 30 + 256, pkl[0].header_offset + 30 + 256 + pkl[0].usize)
+    if head_end <= 1 << 16:
+        head = ck.store.read_range(ext.file, ext.offset, ext.offset + min(head_end, ext.length))
+        hdr = head[en.header_offset:]
+        pkl_hdr = head[pkl[0].header_offset:]
+    else:
+        hdr = ck.store.read_range(ext.file, ext.offset + en.header_offset,
+                                  ext.offset + en.header_offset + 30 + 256)
+        pkl_hdr = ck.store.read_range(ext.file, ext.offset + pkl[0].header_offset,
+                                      ext.offset + pkl[0].header_offset + 30 + 256 + pkl[0].usize)
+    off = local_data_offset(hdr, en, where=where)
+    if off + en.usize > ext.length:
+        raise FormatError(where, "tensor record runs past the end of its zip", code="OUT_OF_BOUNDS")
+    poff = local_data_offset(pkl_hdr, pkl[0], where=where) - pkl[0].header_offset
+    pkl_bytes = pkl_hdr[poff:poff + pkl[0].usize]
+    if len(pkl_bytes) != pkl[0].usize:  # long names or extras: read it where it is
+        at = ext.offset + pkl[0].header_offset + poff
+        pkl_bytes = ck.store.read_range(ext.file, at, min(at + pkl[0].usize, ext.offset + ext.length))
+    if len(pkl_bytes) != pkl[0].usize:
+        raise FormatError(where, "data.pkl is truncated", code="MALFORMED_CHUNK")
+    stored = parse_tensor_pickle(pkl_bytes, where=where)
+    p = cache[ext] = Payload(ext.offset + off, en.usize, stored, tuple(entries))
+    return p
 
+
+def zip_entries(ck: Checkpoint, ext: Extent) -> list[ZipEntry]:
+    """The central directory of the zip an extent (or a whole torch.save file) holds:
+    one small read of its tail (two if the directory is large)."""
     where = ck.store.display(ext.file)
     end = ext.offset + ext.length
     tail = ck.store.read_range(ext.file, max(ext.offset, end - TAIL_GUESS), end)
@@ -115,57 +180,216 @@ def payload_location(ck: Checkpoint, ext: Extent) -> tuple[int, int]:
     if need:
         tail = ck.store.read_range(ext.file, end - need, end)
         entries, _ = central_directory(tail, ext.length, where=where)
-    en = payload_entry(entries, where=where)
-    from .torchzip import local_data_offset
+    return entries
 
-    head = ck.store.read_range(ext.file, ext.offset + en.header_offset,
-                               ext.offset + en.header_offset + 512)
-    off = local_data_offset(head, en, where=where)
-    if off + en.usize > ext.length:
-        raise FormatError(where, "tensor record runs past the end of its zip")
-    cache[ext] = (ext.offset + off, en.usize)
-    return cache[ext]
+
+def gather(storage: memoryview | bytes, st: StoredTensor, dtype: DType) -> memoryview:
+    """The row-major bytes of a tensor stored as a view of ``storage``."""
+    if st.is_row_major():
+        a = dtype.nbytes(st.storage_offset)
+        return memoryview(storage)[a:a + dtype.nbytes(st.numel)]
+    vt = byte_dtype(dtype)
+    flat = np.frombuffer(storage, dtype=vt)
+    view = np.lib.stride_tricks.as_strided(
+        flat[st.storage_offset:], shape=st.size,
+        strides=tuple(s * vt.itemsize for s in st.stride), writeable=False)
+    return memoryview(np.ascontiguousarray(view).reshape(-1).view(np.uint8))
+
+
+def open_zstd_chunk(ck: Checkpoint, t: TensorEntry, c: Chunk, *, crc: bool = False,
+                    read_size: int | None = None):
+    """A :class:`~.zstdchunk.ZstdChunk` over a zstd chunk, opened (its head decompressed,
+    ``data.pkl`` checked against the metadata), ready to stream the storage bytes.
+
+    >>> z = open_zstd_chunk(ck, t, t.chunks[0]); data = z.read(z.nbytes)  # doctest: +SKIP
+    """
+    from .zstdchunk import READ_SIZE, ZstdChunk
+
+    # the storage may be a little larger than the view (never more than the declared
+    # tensor plus a zip's overhead): a bomb costs what its metadata declares, no more
+    z = ZstdChunk(ck.store, c.extent.file, c.extent.offset, c.extent.length,
+                  limit=t.dtype.nbytes(c.numel) + ZIP_OVERHEAD_BOUND, crc=crc,
+                  read_size=read_size or READ_SIZE)
+    check_stored(t, c, z.stored, z.nbytes, ck.store.display(c.extent.file))
+    return z
+
+
+def chunk_bytes(ck: Checkpoint, t: TensorEntry, c: Chunk) -> memoryview:
+    """The row-major bytes of one chunk, whatever the stored layout (strides, storage
+    offset, compression), length-checked."""
+    want = t.dtype.nbytes(c.numel)
+    where = ck.store.display(c.extent.file)
+    enc = c.extent.encoding
+    if enc == "torch_save":
+        from .torchsave import tensor_bytes
+
+        data = tensor_bytes(ck, t.name)
+    elif enc == "raw":
+        data = extent_payload(ck, c.extent)
+    elif enc == "torch_zip+zstd":
+        z = open_zstd_chunk(ck, t, c)
+        try:
+            storage = z.read(z.nbytes)
+        finally:
+            z.close()
+        data = gather(storage, z.stored, t.dtype)
+    elif enc == "torch_zip" and (c.extent.length <= SMALL_CHUNK or not ck.store.is_local) \
+            and c.extent not in ck.info.get("payloads", {}):
+        blob = ck.store.read_range(c.extent.file, c.extent.offset, c.extent.offset + c.extent.length)
+        if len(blob) != c.extent.length:
+            raise FormatError(where, f"file ends {c.extent.length - len(blob)} bytes short of "
+                              f"a chunk at offset {c.extent.offset}", code="SIZE_MISMATCH")
+        off, n = payload_span(blob, where=where)
+        st = parse_tensor_pickle(zip_record(blob, "data.pkl", where), where=where)
+        check_stored(t, c, st, n, where)
+        data = gather(memoryview(blob)[off:off + n], st, t.dtype)
+    elif enc == "torch_zip":
+        p = locate_payload(ck, c.extent)
+        check_stored(t, c, p.stored, p.length, where)
+        storage = ck.store.read_range(c.extent.file, p.offset, p.offset + p.length)
+        if len(storage) != p.length:
+            raise FormatError(where, f"{t.name}: file is truncated", code="SIZE_MISMATCH")
+        data = gather(storage, p.stored, t.dtype)
+    else:
+        raise FormatError(where, f"cannot read encoding {enc!r}")
+    if len(data) != want:
+        raise FormatError(where, f"{t.name}: chunk holds {len(data)} bytes, {want} expected",
+                          code="DTYPE_SIZE_MISMATCH")
+    return data
+
+
+class _Cursors:
+    """Open zstd chunk streams, so row blocks asked in order decompress each chunk once
+    (a bounded LRU; a block asked out of order restarts that chunk)."""
+
+    MAX = 8
+
+    def __init__(self):
+        import collections
+
+        self.lock = threading.Lock()
+        self.open: "collections.OrderedDict[Extent, tuple[threading.Lock, object]]" = \
+            collections.OrderedDict()
+
+    def read(self, ck: Checkpoint, t: TensorEntry, c: Chunk, start: int, n: int) -> bytes:
+        with self.lock:
+            slot = self.open.pop(c.extent, None) or (threading.Lock(), None)
+            self.open[c.extent] = slot
+            while len(self.open) > self.MAX:  # dropped, not closed: it may be in use
+                self.open.popitem(last=False)
+        lock, z = slot
+        with lock:
+            if z is None or z.pos > start:
+                if z is not None:
+                    z.close()
+                z = open_zstd_chunk(ck, t, c)
+            if not z.stored.is_row_major():
+                z.close()
+                with self.lock:
+                    self.open.pop(c.extent, None)
+                return bytes(chunk_bytes(ck, t, c)[start:start + n])
+            z.skip(start - z.pos)
+            data = z.read(n)
+            done = z.pos >= z.nbytes
+            with self.lock:
+                if done:
+                    self.open.pop(c.extent, None)
+                elif c.extent in self.open:
+                    self.open[c.extent] = (lock, z)
+            if done:
+                z.close()
+        if len(data) != n:
+            raise FormatError(ck.store.display(c.extent.file), f"{t.name}: zstd chunk is short",
+                              code="MALFORMED_CHUNK")
+        return data
+
+
+def _cursors(ck: Checkpoint) -> _Cursors:
+    cur = ck.info.get("zstd_cursors")
+    if cur is None:
+        cur = ck.info.setdefault("zstd_cursors", _Cursors())
+    return cur
+
+
+def _decoded(ck: Checkpoint, t: TensorEntry, c: Chunk) -> memoryview:
+    """The whole chunk, row-major, for strided chunks read in row blocks: kept (one chunk
+    per checkpoint) so the blocks of one chunk gather it once."""
+    key = (t.name, c.offsets, c.extent)  # a torch.save file's tensors share one extent
+    slot = ck.info.setdefault("gathered", [None, None, threading.Lock()])
+    with slot[2]:
+        if slot[0] != key:
+            slot[0], slot[1] = None, None
+            slot[1] = chunk_bytes(ck, t, c)
+            slot[0] = key
+        return slot[1]
+
+
+def _row_span(ck: Checkpoint, t: TensorEntry, c: Chunk) -> tuple[int, int] | None:
+    """(absolute offset, length) of a chunk's row-major bytes in its file, when they can
+    be sliced there (raw, or an uncompressed zip holding a row-major tensor)."""
+    if c.extent.encoding == "raw":
+        return c.extent.offset, c.extent.length
+    if c.extent.encoding != "torch_zip":
+        return None
+    p = locate_payload(ck, c.extent)
+    check_stored(t, c, p.stored, p.length, ck.store.display(c.extent.file))
+    return p.row_major_span(t.dtype)
+
+
+def _sliceable(ck: Checkpoint, c: Chunk) -> bool:
+    """Read rows by ranged reads (else: the whole chunk once). Small remote zips are
+    cheaper whole: on S3 requests cost more than bytes."""
+    enc = c.extent.encoding
+    return enc == "raw" or (enc == "torch_zip" and (
+        ck.store.is_local or c.extent.length > SMALL_CHUNK
+        or c.extent in ck.info.get("payloads", {})))
 
 
 def read_rows(ck: Checkpoint, t: TensorEntry, c: Chunk, start: int, stop: int) -> memoryview:
-    """Rows ``[start, stop)`` (along dim 0, relative to the chunk) of a chunk's bytes,
-    reading only those bytes where the encoding allows (raw, DCP zip); zstd chunks and
-    torch.save entries are read whole and sliced."""
+    """Rows ``[start, stop)`` (along dim 0, relative to the chunk) of a chunk's row-major
+    bytes, reading only those bytes where the layout allows (raw, row-major DCP zips,
+    zstd chunks read in order); strided chunks are gathered once and sliced."""
     if not c.sizes:
         return chunk_bytes(ck, t, c)
     row = t.dtype.nbytes(c.numel // c.sizes[0]) if c.sizes[0] else 0
-    whole = start == 0 and stop == c.sizes[0]
-    if c.extent.encoding in ("raw", "torch_zip") and not (
-            whole or (c.extent.encoding == "torch_zip" and c.extent.length <= SMALL_CHUNK
-                      and c.extent not in ck.info.get("payload_locations", {}))):
-        off, length = payload_location(ck, c.extent)
-        if length != t.dtype.nbytes(c.numel):
-            raise FormatError(ck.store.display(c.extent.file),
-                              f"{t.name}: chunk holds {length} bytes, {t.dtype.nbytes(c.numel)} expected")
-        data = ck.store.read_range(c.extent.file, off + start * row, off + stop * row)
-        if len(data) != (stop - start) * row:
-            raise FormatError(ck.store.display(c.extent.file), f"{t.name}: file is truncated")
-        return memoryview(data)
-    return chunk_bytes(ck, t, c)[start * row:stop * row]
+    if start == 0 and stop == c.sizes[0] and not _sliceable(ck, c) \
+            and c.extent.encoding != "torch_zip+zstd":
+        return chunk_bytes(ck, t, c)
+    if c.extent.encoding == "torch_zip+zstd" and t.dtype.bits % 8 == 0:
+        return memoryview(_cursors(ck).read(ck, t, c, start * row, (stop - start) * row))
+    span = _row_span(ck, t, c) if _sliceable(ck, c) and t.dtype.bits % 8 == 0 else None
+    if span is None:
+        whole = chunk_bytes(ck, t, c) if (start == 0 and stop == c.sizes[0]) else _decoded(ck, t, c)
+        return whole[start * row:stop * row]
+    off, length = span
+    if length != t.dtype.nbytes(c.numel):
+        raise FormatError(ck.store.display(c.extent.file), f"{t.name}: chunk holds {length} "
+                          f"bytes, {t.dtype.nbytes(c.numel)} expected", code="DTYPE_SIZE_MISMATCH")
+    data = ck.store.read_range(c.extent.file, off + start * row, off + stop * row)
+    if len(data) != (stop - start) * row:
+        raise FormatError(ck.store.display(c.extent.file), f"{t.name}: file is truncated",
+                          code="SIZE_MISMATCH")
+    return memoryview(data)
 
 
 def read_rows_into(ck: Checkpoint, t: TensorEntry, c: Chunk, start: int, stop: int,
                    out: memoryview) -> None:
     """Like :func:`read_rows`, into ``out`` (exactly that many bytes): straight from the
-    file where the encoding allows, without intermediate copies."""
-    direct = (c.sizes and c.extent.encoding in ("raw", "torch_zip") and t.dtype.bits % 8 == 0
-              and (ck.store.is_local or c.extent.encoding == "raw" or c.extent.length > SMALL_CHUNK
-                   or c.extent in ck.info.get("payload_locations", {})))
-    if not direct:
+    file where the layout allows, without intermediate copies."""
+    span = None
+    if c.sizes and t.dtype.bits % 8 == 0 and _sliceable(ck, c):
+        span = _row_span(ck, t, c)
+    if span is None:
         out[:] = read_rows(ck, t, c, start, stop)
         return
     row = t.dtype.nbytes(c.numel // c.sizes[0]) if c.sizes[0] else 0
-    off, length = payload_location(ck, c.extent)
+    off, length = span
     if length != t.dtype.nbytes(c.numel):
-        raise FormatError(ck.store.display(c.extent.file),
-                          f"{t.name}: chunk holds {length} bytes, {t.dtype.nbytes(c.numel)} expected")
+        raise FormatError(ck.store.display(c.extent.file), f"{t.name}: chunk holds {length} "
+                          f"bytes, {t.dtype.nbytes(c.numel)} expected", code="DTYPE_SIZE_MISMATCH")
     if ck.store.read_into(c.extent.file, off + start * row, out) != len(out):
-        raise FormatError(ck.store.display(c.extent.file), f"{t.name}: file is truncated")
+        raise FormatError(ck.store.display(c.extent.file), f"{t.name}: file is truncated",
+                          code="SIZE_MISMATCH")
 
 
 def read_tensor(ck: Checkpoint, name: str, *, workers: int = 4) -> np.ndarray:
@@ -209,8 +433,8 @@ def read_object(ck: Checkpoint, entry: ObjectEntry) -> object:
     """
     if entry.value is not None or entry.extent is None:
         return entry.value
-    if entry.extent.encoding == "torch_save":
-        return entry.value
+    if entry.extent.encoding in ("torch_save", "opaque"):
+        return entry.value  # torch.save values are loaded already; opaque ones never are
     data = extent_payload(ck, entry.extent, record="data.pkl")
     return loads_primitive(bytes(data), where=f"{ck.store.display(entry.extent.file)}: {entry.name}")
 

@@ -15,7 +15,9 @@ b'\\x01\\x02'
 """
 from __future__ import annotations
 
+import math
 import struct
+from dataclasses import dataclass
 
 from ..errors import FormatError
 
@@ -26,16 +28,19 @@ CDIR_SIG = b"PK\x01\x02"
 LOCAL_SIG = b"PK\x03\x04"
 LOCAL_HEADER_LEN = 30
 #: How much of a zip's tail to read to find its central directory: a DCP chunk zip has
-#: seven records (~0.5 KiB of directory); larger tails are read again if needed.
-TAIL_GUESS = 4096
+#: seven records (~0.9 KiB of directory and end records); larger tails are read again.
+TAIL_GUESS = 1280
 
 
 class ZipEntry:
-    __slots__ = ("name", "method", "csize", "usize", "header_offset")
+    """One central-directory record: name, compression method, sizes, the offset of its
+    local header (relative to the zip's start) and the CRC-32 the writer recorded."""
 
-    def __init__(self, name, method, csize, usize, header_offset):
-        self.name, self.method, self.csize, self.usize, self.header_offset = (
-            name, method, csize, usize, header_offset)
+    __slots__ = ("name", "method", "csize", "usize", "header_offset", "crc")
+
+    def __init__(self, name, method, csize, usize, header_offset, crc=0):
+        self.name, self.method, self.csize, self.usize, self.header_offset, self.crc = (
+            name, method, csize, usize, header_offset, crc)
 
 
 def _zip64_extra(extra: bytes, need: list[str], vals: dict) -> None:
@@ -83,16 +88,18 @@ def central_directory(tail: bytes, zip_len: int, *, where: str = "") -> tuple[li
     for _ in range(total):
         if tail[i:i + 4] != CDIR_SIG:
             raise FormatError(where or None, "central directory is corrupt")
-        (method, csize, usize, nlen, xlen, clen, hoff) = (
+        if i + 46 > len(tail):
+            raise FormatError(where or None, "central directory is truncated")
+        (method, crc, csize, usize, nlen, xlen, clen, hoff) = (
             struct.unpack_from("<H", tail, i + 10)[0],
-            *struct.unpack_from("<IIHHH", tail, i + 20),
+            *struct.unpack_from("<IIIHHH", tail, i + 16),
             struct.unpack_from("<I", tail, i + 42)[0])
         name = tail[i + 46:i + 46 + nlen].decode("utf-8", "replace")
         vals = {"usize": usize, "csize": csize, "hoff": hoff}
         need = [k for k in ("usize", "csize", "hoff") if vals[k] == 0xFFFFFFFF]
         if need:
             _zip64_extra(tail[i + 46 + nlen:i + 46 + nlen + xlen], need, vals)
-        entries.append(ZipEntry(name, method, vals["csize"], vals["usize"], vals["hoff"]))
+        entries.append(ZipEntry(name, method, vals["csize"], vals["usize"], vals["hoff"], crc))
         i += 46 + nlen + xlen + clen
     return entries, 0
 
@@ -128,3 +135,160 @@ def payload_span(blob: bytes | memoryview, *, where: str = "") -> tuple[int, int
     if off + en.usize > len(mv):
         raise FormatError(where or None, "tensor record runs past the end of its zip")
     return off, en.usize
+
+
+# --------------------------------------------------------------------------- data.pkl
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """How a ``torch.save`` zip stores one tensor, read from its ``data.pkl`` without torch:
+    the tensor is a view (``size``, ``stride``, ``storage_offset`` in elements) of storage
+    record ``data/<key>`` holding ``storage_numel`` elements of ``dtype``.
+
+    >>> st = StoredTensor("float32", "0", 12, 0, (4, 3), (1, 4))
+    >>> st.is_row_major(), StoredTensor("float32", "0", 12, 0, (4, 3), (3, 1)).is_row_major()
+    (False, True)
+    """
+
+    dtype: str
+    key: str
+    storage_numel: int
+    storage_offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.size)
+
+    def is_row_major(self) -> bool:
+        """Dense row-major from ``storage_offset`` on (torch's ``is_contiguous``: strides
+        of size-1 dims do not matter)."""
+        expect = 1
+        for s, st in zip(reversed(self.size), reversed(self.stride)):
+            if s != 1 and st != expect:
+                return False
+            expect *= s
+        return True
+
+    def span(self) -> int:
+        """Storage elements the view reaches: ``storage_offset`` + the farthest index + 1."""
+        if self.numel == 0:
+            return self.storage_offset
+        return self.storage_offset + sum((s - 1) * st for s, st in zip(self.size, self.stride)) + 1
+
+
+class _StorageType:
+    __slots__ = ("dtype",)
+
+    def __init__(self, dtype: str | None):
+        self.dtype = dtype  # None: UntypedStorage (bytes; the dtype comes with the tensor)
+
+
+class _Storage:
+    __slots__ = ("dtype", "key", "numel")
+
+    def __init__(self, dtype, key, numel):
+        self.dtype, self.key, self.numel = dtype, key, numel
+
+
+def _ints(v, what: str, where: str) -> tuple[int, ...]:
+    if not isinstance(v, (tuple, list)) or not all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
+        raise FormatError(where or None, f"data.pkl: {what} is not a tuple of non-negative integers",
+                          code="MALFORMED_CHUNK")
+    return tuple(v)
+
+
+def _rebuild(storage, storage_offset, size, stride, *rest, dtype=None, where=""):
+    if not isinstance(storage, _Storage):
+        raise FormatError(where or None, "data.pkl: tensor without a storage", code="MALFORMED_CHUNK")
+    dt = storage.dtype or dtype
+    if dt is None:
+        raise FormatError(where or None, "data.pkl: tensor of unknown dtype", code="MALFORMED_CHUNK")
+    numel = storage.numel
+    if storage.dtype is None:  # UntypedStorage counts bytes
+        from ..model import DTYPES
+
+        d = DTYPES.get(dt)
+        if d is None or d.bits % 8:
+            raise FormatError(where or None, f"data.pkl: unsupported dtype {dt}", code="MALFORMED_CHUNK")
+        numel = numel // d.itemsize
+    if not isinstance(storage_offset, int) or storage_offset < 0:
+        raise FormatError(where or None, "data.pkl: bad storage offset", code="MALFORMED_CHUNK")
+    size, stride = _ints(size, "size", where), _ints(stride, "stride", where)
+    if len(size) != len(stride):
+        raise FormatError(where or None, "data.pkl: size and stride differ in length",
+                          code="MALFORMED_CHUNK")
+    return StoredTensor(dt, str(storage.key), numel, storage_offset, size, stride)
+
+
+def _tensor_globals(where: str) -> dict:
+    from ..model import DTYPES
+    from .torchwrite import TYPED_STORAGE
+
+    def v2(storage, storage_offset, size, stride, *rest):
+        return _rebuild(storage, storage_offset, size, stride, where=where)
+
+    def v3(storage, storage_offset, size, stride, requires_grad=False, hooks=None, dtype=None,
+           *rest):
+        return _rebuild(storage, storage_offset, size, stride, dtype=str(dtype) if dtype else None,
+                        where=where)
+
+    def parameter(data, *rest):
+        return data
+
+    allowed: dict = {("torch._utils", "_rebuild_tensor_v2"): v2,
+                     ("torch._utils", "_rebuild_tensor_v3"): v3,
+                     ("torch._utils", "_rebuild_parameter"): parameter,
+                     ("torch._utils", "_rebuild_parameter_with_state"): parameter,
+                     ("collections", "OrderedDict"): dict,
+                     ("torch.storage", "UntypedStorage"): _StorageType(None)}
+    for dtype, cls in TYPED_STORAGE.items():
+        allowed[("torch", cls)] = _StorageType(dtype)
+    for name in DTYPES:
+        allowed[("torch", name)] = name
+    return allowed
+
+
+def parse_tensor_pickle(data: bytes, *, where: str = "") -> StoredTensor:
+    """The one tensor a DCP chunk's ``data.pkl`` describes, read without torch and without
+    running code (an allow-list of inert stand-ins). Anything else in the pickle (a
+    tensor subclass, a quantized or sparse tensor, several tensors) is refused by name.
+
+    >>> import io, torch
+    >>> buf = io.BytesIO(); torch.save(torch.zeros(3, 2).t(), buf)
+    >>> import zipfile; pkl = zipfile.ZipFile(buf).read("archive/data.pkl")
+    >>> st = parse_tensor_pickle(pkl); (st.dtype, st.size, st.stride, st.storage_numel)
+    ('float32', (2, 3), (1, 2), 6)
+    """
+    import io as _io
+
+    from ..errors import UnsafeInputError
+    from .safe_pickle import RestrictedUnpickler
+
+    class _Unpickler(RestrictedUnpickler):
+        def persistent_load(self, pid):
+            if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
+                    or not isinstance(pid[1], _StorageType) or not isinstance(pid[4], int)
+                    or pid[4] < 0):
+                raise FormatError(where or None, "data.pkl: unexpected storage reference",
+                                  code="MALFORMED_CHUNK")
+            return _Storage(pid[1].dtype, pid[2], pid[4])
+
+    try:
+        obj = _Unpickler(_io.BytesIO(data), _tensor_globals(where)).load()
+    except (FormatError, UnsafeInputError) as e:
+        if isinstance(e, UnsafeInputError):
+            raise UnsafeInputError(where or None, f"data.pkl: {e.message} (not a plain tensor)") from None
+        raise
+    except RecursionError:
+        raise FormatError(where or None, "data.pkl nests too deeply", code="MALFORMED_CHUNK") from None
+    except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad record
+        raise FormatError(where or None, f"data.pkl does not parse ({type(e).__name__})",
+                          code="MALFORMED_CHUNK") from None
+    if not isinstance(obj, StoredTensor):
+        raise FormatError(where or None, f"data.pkl holds {type(obj).__name__}, not one plain "
+                          "tensor", code="MALFORMED_CHUNK")
+    return obj
