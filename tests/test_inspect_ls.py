@@ -22,7 +22,7 @@ def test_inspect_json_fields(torch_ckpts, cli):
         assert k in doc
     assert doc["format"] == "dcp" and doc["step"] == 20
     assert doc["closure"] == {"model": True, "optim": True, "lr_scheduler": True, "rng": True,
-                              "step": True, "dataloader": True}
+                              "step": True, "dataloader": True, "meta": False}
     assert doc["num_params"] > 0 and doc["layout"]["world_size"] == 4
     t = doc["tensors"][0]
     assert set(t) >= {"name", "dtype", "shape", "num_chunks", "bytes"}

@@ -27,6 +27,7 @@ def inspect(
 
     Reads metadata only: on S3 a DCP checkpoint costs a listing and one or two GETs.
     """
+    from ..errors import shorten
     from ..ops import inspect as do_inspect
 
     CTX.quiet = quiet
@@ -45,7 +46,9 @@ def inspect(
     say(f"  format   {r.format}, {step}, {'sealed' if r.sealed else 'not sealed'}")
     say(f"  size     {human_bytes(r.total_bytes)} in {r.num_files} files; "
         f"{r.num_tensors} tensors ({human_bytes(r.tensor_bytes)}), {r.num_objects} objects")
-    say(f"  params   {human_count(r.num_params)} ({r.num_params:,}) in the model part")
+    say(f"  params   {human_count(r.num_params)} ({r.num_params:,}) in the model part"
+        + (f"; buffers {human_count(r.num_buffers)} ({r.num_buffers:,} elements)"
+           if r.num_buffers else ""))
     say("  dtypes   " + ", ".join(f"{d} {v['tensors']} tensors {human_bytes(v['bytes'])}"
                                   for d, v in r.dtypes.items()))
     lay = r.layout
@@ -67,5 +70,5 @@ def inspect(
     if show_objects:
         say("")
         print_table(["name", "part", "type", "value"],
-                    [[o.name, o.part, o.type or "-", "-" if o.value is None else repr(o.value)[:60]]
+                    [[o.name, o.part, o.type or "-", "-" if o.value is None else shorten(repr(o.value), 60)]
                      for o in r.objects])

@@ -97,7 +97,9 @@ def checkpoint_from_metadata(md: Record, root: str, *, where: str = METADATA) ->
     pd = md.__dict__.get("planner_data")
     if isinstance(pd, dict):  # flattened key -> path in the original nested state dict
         ck.info["paths"] = {k: tuple(v) for k, v in pd.items()
-                            if isinstance(k, str) and isinstance(v, (tuple, list))}
+                            if isinstance(k, str) and isinstance(v, (tuple, list))
+                            and all(isinstance(p, (str, int)) and not isinstance(p, bool)
+                                    for p in v)}  # a hint only: anything else is ignored
     for fqn, meta in sdm.items():
         if not isinstance(fqn, str):
             raise FormatError(where, "state dict key is not a string")
@@ -111,11 +113,17 @@ def checkpoint_from_metadata(md: Record, root: str, *, where: str = METADATA) ->
         shape = _ints(_attr(meta, "size", where), where, f"{fqn}: size")
         check_shape(shape, dtype, where=f"{where}: {fqn}")
         chunks = []
+        seen: set[tuple[int, ...]] = set()
         for c in _attr(meta, "chunks", where, list):
             offs = _ints(_attr(c, "offsets", where), where, f"{fqn}: chunk offsets")
             sizes = _ints(_attr(c, "sizes", where), where, f"{fqn}: chunk sizes")
             if len(offs) != len(shape) or len(sizes) != len(shape):
                 raise FormatError(where, f"{fqn}: chunk rank differs from the tensor's")
+            if offs in seen:  # one storage entry per offset: a second listing overlaps it
+                # (stop here: a pickle's memo makes a million listings cost a 2 MB file)
+                raise FormatError(where, f"{fqn}: chunk at {list(offs)} is listed more than once",
+                                  code="CHUNK_OVERLAP")
+            seen.add(offs)
             ext = by_key.get((fqn, offs))
             if ext is None:
                 raise FormatError(where, f"{fqn}: chunk at {list(offs)} has no storage entry")

@@ -4,6 +4,8 @@
 'dcp'
 >>> detect_format({"model.safetensors": 10, "config.json": 2})
 'safetensors'
+>>> detect_format({"model.safetensors": 10, "optimizer.bin": 5, "random_states_0.pkl": 1})
+'composite'
 >>> step_from_name("s3://b/run/global_step1200"), step_from_name("iter_0001200"), step_from_name("x")
 (1200, 1200, None)
 """
@@ -15,7 +17,7 @@ import re
 from ..errors import UnsupportedFormatError
 from ..model import Checkpoint
 from ..storage import Store, open_store
-from . import dcp, safetensors, torchsave
+from . import composite, dcp, safetensors, torchsave
 from .manifest import read_manifest
 
 _STEP_PATTERNS = [re.compile(p) for p in (
@@ -39,6 +41,8 @@ def detect_format(files: dict[str, int]) -> str | None:
     """The format the files of a folder make up, or None."""
     if dcp.is_dcp(files):
         return "dcp"
+    if composite.is_state_folder(files):
+        return "composite"
     if safetensors.is_safetensors(files):
         return "safetensors"
     if any(torchsave.is_torch_file(f) for f in files):
@@ -82,10 +86,12 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
     fmt = _file_format(single) if single else detect_format(files)
     if fmt == "dcp":
         ck = dcp.read_dcp(store, files, strict=strict)
-    elif fmt == "safetensors":
+    elif fmt == "safetensors" and single:
         ck = safetensors.read_safetensors(store, files, single)
-    elif fmt == "torch":
+    elif fmt == "torch" and single:
         ck = torchsave.read_torch(store, files, single)
+    elif fmt in ("composite", "safetensors", "torch"):
+        ck = composite.read_folder(store, files)
     else:
         shown = ", ".join(list(files)[:5])
         raise UnsupportedFormatError(url, "no checkpoint format recognised (expected DCP "

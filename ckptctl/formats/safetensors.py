@@ -13,15 +13,20 @@ safetensors itself does (size bounds, offsets tiling the data) before anything i
 """
 from __future__ import annotations
 
-import json
+import re
 import struct
 
 from ..errors import FormatError, NotFoundError, UnsafeInputError
 from ..model import SAFETENSORS_DTYPES, Checkpoint, Chunk, Extent, TensorEntry
 from ..storage import Store, safe_relpath
-from .limits import MAX_SAFETENSORS_HEADER, check_shape
+from .limits import MAX_SAFETENSORS_HEADER, check_shape, load_json
 
 INDEX = "model.safetensors.index.json"
+#: ``__metadata__`` key of torch's ``HuggingFaceStorageWriter(save_distributed=True)`` files
+#: (``torch/distributed/checkpoint/_hf_utils.py``), and the per-tensor key inside it.
+DCP_SHARDING_INFO = "DCP_SHARDING_INFO"
+SAVED_OFFSETS = "saved_offsets"
+_SHARD_NAME = re.compile(r"^(?P<stem>.+)-(?P<k>\d{1,6})-of-(?P<n>\d{1,6})\.(?P<ext>safetensors|bin)$")
 FIRST_READ = 1 << 16  # most headers fit: one GET per file
 
 
@@ -39,10 +44,7 @@ def parse_header(head: bytes, file_size: int, *, where: str) -> tuple[dict, int]
     raw = head[8:8 + n]
     if len(raw) < n:
         raise FormatError(where, "header is truncated")
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, ValueError):
-        raise FormatError(where, "header is not valid JSON") from None
+    header = load_json(raw, where, "header")
     if not isinstance(header, dict):
         raise FormatError(where, "header is not a JSON object")
     data_start = 8 + n
@@ -106,22 +108,133 @@ def read_header(store: Store, rel: str, size: int) -> tuple[dict, int]:
     return parse_header(head, size, where=where)
 
 
-def _add_file(ck: Checkpoint, store: Store, rel: str, size: int, only: set[str] | None) -> None:
+def _sharding_info(meta: dict | None, where: str) -> dict | None:
+    """torch's ``HuggingFaceStorageWriter(save_distributed=True)`` records where each
+    tensor of a rank's file sits in the global tensor: ``__metadata__["DCP_SHARDING_INFO"]``
+    is JSON ``{name: {"saved_offsets": [...]}}``."""
+    raw = (meta or {}).get(DCP_SHARDING_INFO)
+    if raw is None:
+        return None
+    info = load_json(raw, where, f"__metadata__.{DCP_SHARDING_INFO}")
+    if not isinstance(info, dict):
+        raise FormatError(where, f"__metadata__.{DCP_SHARDING_INFO} is not a JSON object")
+    return info
+
+
+def _add_file(ck: Checkpoint, store: Store, rel: str, size: int, only: set[str] | None,
+              prefix: str = "", index: str = INDEX) -> None:
+    where = store.display(rel)
     header, data_start = read_header(store, rel, size)
     meta = header.pop("__metadata__", None)
     if meta:
         ck.info.setdefault("metadata", {})[rel] = meta
-    for name, e in header.items():
-        if only is not None and name not in only:
-            raise FormatError(store.display(rel), f"{name}: not listed for this file in {INDEX}",
+    sharding = _sharding_info(meta, where)
+    sharded = ck.info.setdefault("dcp_sharded", set())
+    head = (prefix.rstrip("."),) if prefix else ()
+    for orig, e in header.items():
+        name = prefix + orig
+        if only is not None and orig not in only:
+            raise FormatError(where, f"{orig}: not listed for this file in {index}",
                               code="INDEX_MISMATCH")
-        if name in ck.tensors:
-            raise FormatError(store.display(rel), f"{name}: also stored in another file")
         b, end = e["data_offsets"]
         dtype = SAFETENSORS_DTYPES[e["dtype"]]
         shape = tuple(e["shape"])
         ext = Extent(rel, data_start + b, end - b, "raw")
-        ck.tensors[name] = TensorEntry(name, dtype, shape, [Chunk((0,) * len(shape), shape, ext)])
+        if head:
+            ck.info.setdefault("paths", {})[name] = head + (orig,)
+        if sharding is None:
+            if name in ck.tensors:
+                raise FormatError(where, f"{orig}: also stored in another file")
+            ck.tensors[name] = TensorEntry(name, dtype, shape, [Chunk((0,) * len(shape), shape, ext)])
+            continue
+        offs = (sharding.get(orig) or {}).get(SAVED_OFFSETS) if isinstance(
+            sharding.get(orig), dict) else None
+        if (not isinstance(offs, list) or len(offs) != len(shape)
+                or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0 for o in offs)):
+            raise FormatError(where, f"{orig}: {DCP_SHARDING_INFO} gives no valid {SAVED_OFFSETS} "
+                              f"for this {len(shape)}-d shard")
+        chunk = Chunk(tuple(offs), shape, ext)
+        t = ck.tensors.get(name)
+        if t is None:
+            box = tuple(o + s for o, s in zip(offs, shape))
+            check_shape(box, dtype, where=f"{where}: {orig}")  # offsets are bounded too
+            ck.tensors[name] = TensorEntry(name, dtype, box, [chunk])
+            sharded.add(name)
+            continue
+        if name not in sharded:
+            raise FormatError(where, f"{orig}: also stored whole in another file")
+        if t.dtype != dtype:
+            raise FormatError(where, f"{orig}: shard is {dtype.name}, other shards are {t.dtype.name}")
+        # the global shape is the bounding box of the shards, as torch's own reader computes it
+        t.shape = tuple(max(g, o + s) for g, o, s in zip(t.shape, offs, shape))
+        check_shape(t.shape, dtype, where=f"{where}: {orig}")
+        t.chunks.append(chunk)
+
+
+def check_shard_set(store: Store, present, *, index_refs=()) -> None:
+    """HF shard names (``model-00003-of-00019.safetensors``) say how many shards there
+    are: every one must be here, with or without an index. Also every file the index
+    names. Raises :class:`NotFoundError` (``MISSING_FILE``) naming the first missing
+    shard and how many are missing.
+
+    >>> from ckptctl.storage import open_store
+    >>> check_shard_set(open_store("."), ["m-00001-of-00003.safetensors",
+    ...                                   "m-00003-of-00003.safetensors"])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ckptctl.errors.NotFoundError: ...m-00002-of-00003.safetensors: shard 2 of 3 is missing (1 of 3 shards missing)
+    """
+    present = set(present)
+    groups: dict[tuple, set[int]] = {}
+    width: dict[tuple, int] = {}
+    for rel in present:
+        m = _SHARD_NAME.match(rel)
+        if not m:
+            continue
+        k, n = int(m["k"]), int(m["n"])
+        key = (m["stem"], m["n"], m["ext"])
+        if not 1 <= k <= n:
+            raise FormatError(store.display(rel), f"shard number {k} is outside 1..{n}")
+        groups.setdefault(key, set()).add(k)
+        width[key] = len(m["k"])
+    for key in sorted(groups):
+        stem, n_text, ext = key
+        have, n = groups[key], int(n_text)
+        if len(have) == n:
+            continue
+        k = 1
+        while k in have:  # bounded by len(have) + 1
+            k += 1
+        missing = f"{stem}-{k:0{width[key]}d}-of-{n_text}.{ext}"
+        raise NotFoundError(store.display(missing), f"shard {k} of {n} is missing "
+                            f"({n - len(have)} of {n} shards missing)")
+    gone = sorted(set(index_refs) - present)
+    if gone:
+        raise NotFoundError(store.display(gone[0]), f"shard referenced by the index is missing "
+                            f"({len(gone)} of {len(set(index_refs))} files missing)")
+
+
+def add_model_files(ck: Checkpoint, store: Store, files: dict[str, int], names: list[str],
+                    *, index: str | None = None, prefix: str = "") -> None:
+    """Add one model's safetensors files (``names``, or those ``index`` lists) to ``ck``,
+    each tensor named ``prefix + name``; shards are checked complete first."""
+    if index is not None:
+        wanted = _read_index(store, files, index)
+        check_shard_set(store, [f for f in files if "/" not in f and f.endswith(".safetensors")],
+                        index_refs=wanted)
+        loaded = set()
+        for rel, listed in sorted(wanted.items()):
+            _add_file(ck, store, rel, files[rel], listed, prefix, index)
+            loaded.update(listed)
+        missing = {n for listed in wanted.values() for n in listed} - loaded
+        if missing:
+            raise FormatError(store.display(index), f"{min(missing)}: listed in weight_map "
+                              f"but in no shard ({len(missing)} such)", code="INDEX_MISMATCH")
+    else:
+        check_shard_set(store, names)
+        for rel in sorted(names):
+            _add_file(ck, store, rel, files[rel], None, prefix)
+    if ck.info.pop("dcp_sharded", None):
+        ck.info["sharded_by"] = DCP_SHARDING_INFO
 
 
 def read_safetensors(store: Store, files: dict[str, int], only_file: str | None = None) -> Checkpoint:
@@ -130,35 +243,25 @@ def read_safetensors(store: Store, files: dict[str, int], only_file: str | None 
                     format="safetensors", store=store)
     if only_file:
         ck.files = {only_file: files[only_file]}
-        _add_file(ck, store, only_file, files[only_file], None)
+        _add_file(ck, store, only_file, files[only_file], None)  # one shard may be opened alone
+        if ck.info.pop("dcp_sharded", None):
+            ck.info["sharded_by"] = DCP_SHARDING_INFO
         return ck
     ck.files = dict(files)
     if INDEX in files:
         ck.format = "hf-safetensors"
-        wanted = _read_index(store, files)
-        for rel, names in wanted.items():
-            if rel not in files:
-                raise NotFoundError(store.display(rel), f"shard referenced by {INDEX} is missing")
-            _add_file(ck, store, rel, files[rel], names)
-        missing = {n for names in wanted.values() for n in names} - set(ck.tensors)
-        if missing:
-            raise FormatError(store.display(INDEX), f"{sorted(missing)[0]}: listed in weight_map "
-                              f"but in no shard ({len(missing)} such)", code="INDEX_MISMATCH")
-        return ck
-    for rel, size in files.items():
-        if rel.endswith(".safetensors") and "/" not in rel:
-            _add_file(ck, store, rel, size, None)
+        add_model_files(ck, store, files, [], index=INDEX)
+    else:
+        add_model_files(ck, store, files,
+                        [f for f in files if f.endswith(".safetensors") and "/" not in f])
     return ck
 
 
-def _read_index(store: Store, files: dict[str, int]) -> dict[str, set[str]]:
-    where = store.display(INDEX)
-    if files[INDEX] > MAX_SAFETENSORS_HEADER:
+def _read_index(store: Store, files: dict[str, int], index: str = INDEX) -> dict[str, set[str]]:
+    where = store.display(index)
+    if files[index] > MAX_SAFETENSORS_HEADER:
         raise UnsafeInputError(where, "index file is absurdly large")
-    try:
-        index = json.loads(store.read(INDEX))
-    except (UnicodeDecodeError, ValueError):
-        raise FormatError(where, "not valid JSON") from None
+    index = load_json(store.read(index), where, "index")
     wm = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(wm, dict):
         raise FormatError(where, "no weight_map")

@@ -1,23 +1,33 @@
-"""torch.save files (``.pt``, ``.pth``, ``.bin``): loaded with ``torch.load(weights_only=True,
-mmap=True)`` and flattened to dotted names the way DCP flattens a state dict
+"""torch.save files (``.pt``, ``.pth``, ``.bin``, ``.ckpt``): loaded with
+``torch.load(weights_only=True, mmap=True)`` (``mmap=False`` for the legacy non-zip format,
+which torch cannot map) and flattened to dotted names the way DCP flattens a state dict
 (``optim.param_groups.0.lr``).
 
 This is the one reader that imports torch; it does so only when called.
 
 >>> flatten({"a": {"b": 1, "c": [2, 3], "d": [{"e": 4}]}})
 {'a.b': 1, 'a.c': [2, 3], 'a.d.0.e': 4}
+>>> deep = []
+>>> for _ in range(300):
+...     deep = [deep]
+>>> flatten({"x": deep})
+Traceback (most recent call last):
+ckptctl.errors.FormatError: x.0.0.0.0.0.0.0.0.0.0.0.0.0.0.0...: nests too deeply (more than 256 levels of dicts and lists)
 """
 from __future__ import annotations
 
 import os
 import tempfile
 
-from ..errors import FormatError, UnsafeInputError
+from ..errors import FormatError, UnsafeInputError, shorten
 from ..model import DTYPES, Checkpoint, Chunk, Extent, ObjectEntry, TensorEntry
 from ..storage import Store
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 INDEX_SUFFIX = ".bin.index.json"
+#: Deepest nesting of dicts and lists we flatten; real state dicts nest fewer than 10 levels.
+MAX_NEST_DEPTH = 256
+ZIP_MAGIC = b"PK\x03\x04"
 
 
 def is_torch_file(name: str) -> bool:
@@ -28,38 +38,49 @@ def _container_or_tensor(v) -> bool:
     return isinstance(v, (dict, list, tuple)) or (hasattr(v, "dtype") and hasattr(v, "shape"))
 
 
-def flatten_paths(obj, path: tuple = ()) -> dict[str, tuple]:
+def _walk(obj, where: str | None = None):
+    """(path, leaf) pairs of a nested object in insertion order, without recursion;
+    refuses nesting deeper than :data:`MAX_NEST_DEPTH` (a hostile file)."""
+    stack = [((), obj)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, dict) and v:
+            kids = list(v.items())
+        elif isinstance(v, (list, tuple)) and v and any(_container_or_tensor(x) for x in v):
+            kids = list(enumerate(v))
+        else:
+            yield path, v
+            continue
+        if len(path) >= MAX_NEST_DEPTH:
+            shown = ".".join(str(p) for p in path[:16])
+            raise FormatError(where, f"{shown}...: nests too deeply (more than "
+                              f"{MAX_NEST_DEPTH} levels of dicts and lists)")
+        stack.extend((path + (k,), x) for k, x in reversed(kids))
+
+
+def flatten_paths(obj, path: tuple = (), *, where: str | None = None) -> dict[str, tuple]:
     """Flattened name -> path of keys/indices in the nested object (DCP's planner_data)."""
-    out: dict[str, tuple] = {}
-    if isinstance(obj, dict) and obj:
-        for k, v in obj.items():
-            out.update(flatten_paths(v, path + (k,)))
-    elif isinstance(obj, (list, tuple)) and obj and any(_container_or_tensor(v) for v in obj):
-        for i, v in enumerate(obj):
-            out.update(flatten_paths(v, path + (i,)))
-    else:
-        out[".".join(str(p) for p in path)] = path
-    return out
+    return {".".join(str(p) for p in path + sub): path + sub for sub, _ in _walk(obj, where)}
 
 
-def flatten(obj, prefix: str = "") -> dict[str, object]:
+def flatten(obj, prefix: str = "", *, where: str | None = None) -> dict[str, object]:
     """Flatten nested dicts to dotted keys, as DCP does. Lists and tuples are descended
     into when they hold tensors or containers (DCP would pickle those whole); lists of
     plain values stay one entry, as in DCP (``optim.param_groups.0.params``)."""
     out: dict[str, object] = {}
-    if isinstance(obj, dict) and obj:
-        for k, v in obj.items():
-            out.update(flatten(v, f"{prefix}{k}."))
-    elif isinstance(obj, (list, tuple)) and obj and any(_container_or_tensor(v) for v in obj):
-        for i, v in enumerate(obj):
-            out.update(flatten(v, f"{prefix}{i}."))
-    else:
-        out[prefix[:-1]] = obj
+    for path, v in _walk(obj, where):
+        out[(prefix + ".".join(str(p) for p in path)) if path else prefix[:-1]] = v
     return out
 
 
+def _is_zip(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == ZIP_MAGIC
+
+
 def load_torch_file(store: Store, rel: str):
-    """``torch.load`` a file safely (weights only, memory-mapped when local)."""
+    """``torch.load`` a file safely: weights only, memory-mapped when it is a local zip
+    (the legacy non-zip format cannot be mapped: it is read into memory)."""
     import pickle
 
     import torch
@@ -75,49 +96,87 @@ def load_torch_file(store: Store, rel: str):
                     out.write(block)
             path = tmp
         try:
-            return torch.load(path, weights_only=True, mmap=True, map_location="cpu")
+            return torch.load(path, weights_only=True, mmap=_is_zip(path), map_location="cpu")
         except pickle.UnpicklingError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else "refused"
             if "Unsupported global" in str(e) or "not an allowed global" in str(e) or "GLOBAL" in str(e):
                 raise UnsafeInputError(where, "refused: the pickle needs globals that "
                                        "weights_only loading does not allow") from None
-            raise FormatError(where, f"not a loadable torch.save file ({first[:120]})") from None
+            raise FormatError(where, "not a loadable torch.save file "
+                              f"({shorten(e, 120) or 'refused'})") from None
+        except RecursionError:
+            raise FormatError(where, "nests too deeply to load") from None
         except (RuntimeError, EOFError, ValueError, OSError) as e:
-            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            raise FormatError(where, f"not a loadable torch.save file ({first[:120]})") from None
+            raise FormatError(where, "not a loadable torch.save file "
+                              f"({shorten(e, 120) or type(e).__name__})") from None
     finally:
         if tmp:
             os.unlink(tmp)
 
 
-def read_torch(store: Store, files: dict[str, int], only_file: str | None = None) -> Checkpoint:
-    """Read torch.save files into the logical model; tensors stay memory-mapped."""
+def _alias_key(value) -> tuple | None:
+    """Identity of a tensor's view of its storage: equal keys are one tensor saved
+    under two names (tied weights)."""
+    if value.numel() == 0:
+        return None
+    try:
+        ptr = value.untyped_storage().data_ptr()
+        return ptr, value.storage_offset(), tuple(value.shape), tuple(value.stride()), value.dtype
+    except (RuntimeError, NotImplementedError):  # sparse and other layouts: no plain storage
+        return None
+
+
+def add_torch_file(ck: Checkpoint, store: Store, rel: str, size: int, prefix: str = "") -> None:
+    """Load one torch.save file into ``ck``, its entries named ``prefix + flattened name``.
+
+    Tensors stay memory-mapped (``ck.info["loaded"]``); names that share one storage view
+    are recorded in ``ck.info["aliases"]`` (alias -> the first name), so tied weights
+    count once.
+    """
     import torch
 
+    where = store.display(rel)
+    obj = load_torch_file(store, rel)
+    flat = flatten(obj, where=where)
+    head = tuple(prefix.rstrip(".").split(".")) if prefix else ()
+    loaded = ck.info.setdefault("loaded", {}).setdefault(rel, {})
+    paths = ck.info.setdefault("paths", {})
+    aliases = ck.info.setdefault("aliases", {})
+    seen: dict[tuple, str] = {}
+    ext = Extent(rel, 0, size, "torch_save")
+    for sub, path in flatten_paths(obj, where=where).items():
+        value = flat[sub]
+        name = prefix + sub if sub else prefix.rstrip(".")  # a bare value: "" (or the prefix)
+        if name in ck.tensors or name in ck.objects:
+            raise FormatError(where, f"{name}: also stored in another file")
+        paths[name] = head + path
+        if isinstance(value, torch.Tensor):
+            dtype = DTYPES.get(str(value.dtype).removeprefix("torch."))
+            if dtype is None:
+                raise FormatError(where, f"{name}: unsupported dtype {value.dtype}")
+            shape = tuple(value.shape)
+            ck.tensors[name] = TensorEntry(name, dtype, shape,
+                                           [Chunk((0,) * len(shape), shape, ext)])
+            loaded[name] = value
+            key = _alias_key(value)
+            if key is not None:
+                if key in seen:
+                    aliases[name] = seen[key]
+                else:
+                    seen[key] = name
+        else:
+            ck.objects[name] = ObjectEntry(name, ext, value=value, type_name=type(value).__name__)
+
+
+def read_torch(store: Store, files: dict[str, int], only_file: str | None = None) -> Checkpoint:
+    """Read one torch.save file (``only_file``, or the folder's only torch file) into the
+    logical model; tensors stay memory-mapped. Folders with several state files are read
+    by :mod:`ckptctl.formats.composite`."""
     names = [only_file] if only_file else [f for f in files if is_torch_file(f)]
     ck = Checkpoint(root=store.display(only_file) if only_file else store.url,
                     format="torch", store=store,
                     files={f: files[f] for f in names} if only_file else dict(files))
-    loaded = {}
     for rel in names:
-        obj = load_torch_file(store, rel)
-        loaded[rel] = obj
-        for name, value in flatten(obj).items():
-            if name in ck.tensors or name in ck.objects:
-                raise FormatError(store.display(rel), f"{name}: also stored in another file")
-            ext = Extent(rel, 0, files[rel], "torch_save")
-            if isinstance(value, torch.Tensor):
-                dtype = DTYPES.get(str(value.dtype).removeprefix("torch."))
-                if dtype is None:
-                    raise FormatError(store.display(rel), f"{name}: unsupported dtype {value.dtype}")
-                shape = tuple(value.shape)
-                ck.tensors[name] = TensorEntry(name, dtype, shape,
-                                               [Chunk((0,) * len(shape), shape, ext)])
-            else:
-                ck.objects[name] = ObjectEntry(name, ext, value=value,
-                                               type_name=type(value).__name__)
-    ck.info["loaded"] = {rel: flatten(obj) for rel, obj in loaded.items()}
-    ck.info["paths"] = {k: v for obj in loaded.values() for k, v in flatten_paths(obj).items()}
+        add_torch_file(ck, store, rel, files[rel])
     return ck
 
 

@@ -2,23 +2,30 @@
 
 >>> [classify(n) for n in ("model.layers.0.wq.weight", "optim.state.w.exp_avg",
 ...  "optim.state.w.step", "lr_scheduler.last_epoch", "rng.cpu", "step", "dataloader.epoch",
-...  "lm_head.weight")]
-['model', 'optim', 'optim', 'lr_scheduler', 'rng', 'step', 'dataloader', 'model']
+...  "lm_head.weight", "callbacks.EarlyStopping.wait_count", "epoch", "custom.0")]
+['model', 'optim', 'optim', 'lr_scheduler', 'rng', 'step', 'dataloader', 'model', 'meta', 'meta', 'meta']
+
+Trainer and callback state (Lightning's ``callbacks``, ``loops``, ``hyper_parameters``,
+``epoch``; accelerate's custom objects, the AMP scaler) is ``meta``: not model, not optimizer.
 """
 from __future__ import annotations
 
 import re
 
-PARTS = ("model", "optim", "lr_scheduler", "rng", "step", "dataloader")
+PARTS = ("model", "optim", "lr_scheduler", "rng", "step", "dataloader", "meta")
 
 _RULES = [
-    ("optim", re.compile(r"^(optim|optimizer|optimizers|opt|optimizer_states?)(\.|$)|"
+    ("meta", re.compile(r"^(callbacks|loops|hyper_parameters|hparams|hparams_name|hparams_type|"
+                        r"datamodule_hyper_parameters|datamodule_hparams_name|epoch|"
+                        r"pytorch-lightning_version|lightning_version|custom|meta|scaler|"
+                        r"native_amp_scaling_state|amp_scaling_state|trainer_state)(_\d+)?(\.|$)")),
+    ("optim", re.compile(r"^(optim|optimizer|optimizers|opt|optimizer_states?)(_\d+)?(\.|$)|"
                          r"(^|\.)(exp_avg|exp_avg_sq|param_groups|momentum_buffer)(\.|$)")),
-    ("lr_scheduler", re.compile(r"^(lr_schedulers?|schedulers?|sched)(\.|$)")),
+    ("lr_scheduler", re.compile(r"^(lr_schedulers?|schedulers?|sched)(_\d+)?(\.|$)")),
     ("rng", re.compile(r"^(rng|rngs|rng_states?|random_states?|torch_rng_state|cuda_rng_state|"
                        r"numpy_rng_state|python_rng_state|generator)(\.|$)")),
     ("dataloader", re.compile(r"^(dataloaders?|data_loaders?|sampler|data_state|dataset|"
-                              r"data)(\.|$)")),
+                              r"data)(_\d+)?(\.|$)")),
     ("step", re.compile(r"^((train_state|trainer|state)\.)?(step|global_step|iteration|"
                         r"iter|steps|consumed_samples)$")),
 ]
@@ -32,6 +39,26 @@ def classify(name: str) -> str:
     return "model"
 
 
+#: Tensors that models register as buffers, not parameters (BatchNorm statistics, position
+#: ids, rotary frequencies, GPT-2 style causal masks).
+_BUFFER = re.compile(r"(^|\.)(running_mean|running_var|num_batches_tracked|position_ids|"
+                     r"token_type_ids|inv_freq|masked_bias)$|(^|\.)(attn|attention)\.bias$")
+
+
+def is_parameter(name: str, dtype) -> bool:
+    """Whether a model-part tensor counts as a parameter: floating, and not named like a
+    buffer. Integer and bool tensors are always buffers.
+
+    >>> from ckptctl.model import DTYPES
+    >>> [is_parameter(n, DTYPES[d]) for n, d in (("bn.weight", "float32"),
+    ...  ("bn.running_mean", "float32"), ("bn.num_batches_tracked", "int64"),
+    ...  ("h.0.attn.bias", "float32"), ("h.0.attn.c_attn.bias", "float32"),
+    ...  ("rotary_emb.inv_freq", "float32"), ("mask", "bool"))]
+    [True, False, False, False, True, False, False]
+    """
+    return dtype.is_floating and not _BUFFER.search(name)
+
+
 def parse_parts(spec: str) -> list[str]:
     """``model,optim`` -> parts, accepting ``optimizer``/``scheduler`` spellings.
 
@@ -41,7 +68,8 @@ def parse_parts(spec: str) -> list[str]:
     from ..errors import UsageError
 
     alias = {"optimizer": "optim", "scheduler": "lr_scheduler", "lr": "lr_scheduler",
-             "data": "dataloader", "weights": "model"}
+             "data": "dataloader", "weights": "model", "trainer": "meta", "callbacks": "meta",
+             "other": "meta", "custom": "meta"}
     out = []
     for raw in spec.split(","):
         p = alias.get(raw.strip(), raw.strip())

@@ -9,9 +9,11 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import asdict, dataclass, field
 
+from ..errors import shorten
 from ..formats import open_checkpoint, read_object
+from ..formats.composite import OPAQUE
 from ..model import Checkpoint, layout_summary
-from .closure import PARTS, classify
+from .closure import PARTS, classify, is_parameter
 
 
 @dataclass
@@ -54,6 +56,7 @@ class InspectResult:
     num_objects: int
     num_params: int
     tensor_bytes: int
+    num_buffers: int
     dtypes: dict[str, dict]
     layout: dict
     closure: dict[str, bool]
@@ -67,7 +70,7 @@ class InspectResult:
         return asdict(self)
 
 
-def _tree(tensors: list[TensorInfo]) -> list[TreeNode]:
+def _tree(tensors: list[TensorInfo], params: set[str]) -> list[TreeNode]:
     """Totals for every module prefix (``layers``, ``layers.0``, ``layers.0.attention`` ...)."""
     acc: dict[str, list[int]] = {}
     for t in tensors:
@@ -78,7 +81,7 @@ def _tree(tensors: list[TensorInfo]) -> list[TreeNode]:
         for i in range(1, len(parts)):
             node = acc.setdefault(".".join(parts[:i]), [0, 0, 0])
             node[0] += 1
-            node[1] += numel if t.part == "model" else 0
+            node[1] += numel if t.name in params else 0
             node[2] += t.bytes
     return [TreeNode(p, *v) for p, v in sorted(acc.items())]
 
@@ -93,14 +96,21 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
                           classify(t.name), list(t.sharded_dims()))
                for t in ck.tensors.values()]
     dtypes: dict[str, dict] = {}
-    num_params = 0
+    num_params = num_buffers = 0
+    params: set[str] = set()
+    aliases = ck.info.get("aliases") or {}  # tied weights: two names, one storage
     for ti, t in zip(tensors, ck.tensors.values()):
         d = dtypes.setdefault(ti.dtype, {"tensors": 0, "elements": 0, "bytes": 0})
         d["tensors"] += 1
         d["elements"] += t.numel
         d["bytes"] += t.nbytes
-        if ti.part == "model":
+        if ti.part != "model" or t.name in aliases:
+            continue
+        if is_parameter(t.name, t.dtype):
             num_params += t.numel
+            params.add(t.name)
+        else:
+            num_buffers += t.numel
     closure = {p: False for p in PARTS}
     for name in list(ck.tensors) + list(ck.objects):
         closure[classify(name)] = True
@@ -112,7 +122,9 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
             continue
         info = ObjectInfo(o.name, classify(o.name), o.extent.length if o.extent and
                           o.extent.encoding != "torch_save" else None, o.type_name)
-        if show_objects:
+        if o.extent is not None and o.extent.encoding == OPAQUE:
+            info.type = o.type_name  # never unpickled: its size is all we say
+        elif show_objects:
             try:
                 info.value = _jsonable(read_object(ck, o))
                 info.type = info.type or type(info.value).__name__
@@ -127,10 +139,10 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
         url=ck.root, format=ck.format, step=ck.step, step_source=ck.info.get("step_source"),
         total_bytes=ck.total_bytes, num_files=len(ck.files), num_tensors=len(ck.tensors),
         num_objects=len(ck.objects), num_params=num_params,
-        tensor_bytes=sum(t.nbytes for t in ck.tensors.values()),
+        tensor_bytes=sum(t.nbytes for t in ck.tensors.values()), num_buffers=num_buffers,
         dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])),
         layout=asdict(lay), closure=closure, sealed=ck.info.get("manifest") is not None,
-        tensors=shown, objects=objects, tree=_tree(shown) if tree else [], metadata=meta)
+        tensors=shown, objects=objects, tree=_tree(shown, params) if tree else [], metadata=meta)
 
 
 def _jsonable(v):
@@ -140,7 +152,7 @@ def _jsonable(v):
         return [_jsonable(x) for x in v]
     if isinstance(v, dict):
         return {str(k): _jsonable(x) for k, x in v.items()}
-    return repr(v)[:200]
+    return shorten(repr(v), 200)
 
 
 def inspect(url: str, storage_options: dict | None = None, *, filter: str | None = None,
