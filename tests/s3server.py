@@ -23,9 +23,11 @@ default response checksum validation must be off (``storage_options``/``env`` do
 from __future__ import annotations
 
 import atexit
+import contextlib
 import http.client
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -74,6 +76,7 @@ class _Proxy(ThreadingHTTPServer):
         self.log: list[Request] = []
         self.lock = threading.Lock()
         self.conns: set[socket.socket] = set()
+        self.fault = None  # called with each Request before it is relayed (S3Server.fault_on)
 
     def process_request(self, request, client_address):
         with self.lock:
@@ -111,8 +114,12 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     def _relay(self):
         srv, h = self.server, self.headers
+        req = Request(self.command, self.path, h.get("Range"))
         with srv.lock:
-            srv.log.append(Request(self.command, self.path, h.get("Range")))
+            srv.log.append(req)
+            fault = srv.fault
+        if fault is not None:
+            fault(req)
         up = http.client.HTTPConnection("127.0.0.1", srv.upstream_port, timeout=900)
         try:
             up.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
@@ -222,11 +229,61 @@ class S3Server:
         with self._proxy.lock:
             self._proxy.log.clear()
 
+    def kill(self) -> None:
+        """Die like a crashed server: stop listening (proxy and server), SIGKILL the server
+        by pid. Requests in flight are cut; new connections are refused."""
+        if self._proxy is not None:
+            self._proxy.close()
+        if self._proc is not None and self._proc.poll() is None:
+            self.thaw()
+            os.kill(self.pid, signal.SIGKILL)
+            self._proc.wait()
+
+    def freeze(self) -> None:
+        """SIGSTOP the server: connections are still accepted (by the kernel), nothing is
+        answered. Always :meth:`thaw` it (``with srv.frozen():`` does)."""
+        if self._proc is not None and self._proc.poll() is None:
+            os.kill(self.pid, signal.SIGSTOP)
+
+    def thaw(self) -> None:
+        if self._proc is not None and self._proc.poll() is None:
+            os.kill(self.pid, signal.SIGCONT)
+
+    @contextlib.contextmanager
+    def frozen(self):
+        self.freeze()
+        try:
+            yield self
+        finally:
+            self.thaw()
+
+    def fault_on(self, when, action: str) -> threading.Event:
+        """Once a request for which ``when(Request)`` is true reaches the proxy, ``kill``
+        or ``freeze`` the server before relaying it (the request then fails or hangs).
+        Returns an event set when that happened. ``fault_on(None, "")`` clears it."""
+        fired = threading.Event()
+
+        def hook(req: Request) -> None:
+            if fired.is_set() or not when(req):
+                return
+            fired.set()
+            if action == "kill":
+                self.kill()  # this request's own connection is cut too
+            elif action == "freeze":
+                self.freeze()
+            else:
+                raise ValueError(f"unknown fault action {action!r}")
+
+        with self._proxy.lock:
+            self._proxy.fault = hook if when is not None else None
+        return fired
+
     def stop(self) -> None:
         """Kill the server by pid (TERM, then KILL after 10 s), wait for it, close the proxy."""
         if self._proxy is not None:
             self._proxy.close()
         if self._proc is not None and self._proc.poll() is None:
+            self.thaw()  # a stopped process would not act on TERM
             os.kill(self.pid, 15)
             try:
                 self._proc.wait(10)
@@ -318,6 +375,55 @@ def start_moto(timeout: float = 60) -> S3Server:
     """``moto_server`` (in-memory; accepts any credentials)."""
     moto = _binary("moto_server")
     return _start("moto", lambda port: [moto, "-H", "127.0.0.1", "-p", str(port)], None, timeout)
+
+
+class SilentServer:
+    """A loopback port that accepts TCP connections and never answers: it reads nothing
+    and sends nothing until :meth:`stop` (a hung server, a black-holing middlebox).
+
+        with SilentServer() as silent:
+            ... AWS_ENDPOINT_URL=silent.endpoint_url ...
+    """
+
+    def __init__(self):
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.port = self.sock.getsockname()[1]
+        self.endpoint_url = f"http://127.0.0.1:{self.port}"
+        self.accepted = 0
+        self.conns: list[socket.socket] = []
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name="s3-silent", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        self.sock.settimeout(0.05)
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except (TimeoutError, socket.timeout):
+                continue
+            except OSError:
+                return
+            self.conns.append(conn)
+            self.accepted += 1
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._thread.join(5)
+        for c in self.conns + [self.sock]:
+            try:
+                c.close()
+            except OSError:
+                pass
+
+    def __enter__(self) -> "SilentServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
 
 def fresh_fs(server: S3Server):

@@ -19,6 +19,7 @@ class Context:
     debug: bool = False
     quiet: bool = False
     storage_options: dict = field(default_factory=dict)
+    timeout: float = 60.0  # --timeout: seconds one remote request may take, retries included
 
 
 CTX = Context()

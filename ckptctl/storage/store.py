@@ -13,6 +13,7 @@ every storage failure into a :class:`~ckptctl.errors.CkptError` with a one-line 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import posixpath
 import threading
@@ -23,6 +24,17 @@ from ..errors import CkptError, NotFoundError, StorageError, UnsafeInputError, U
 
 #: Descriptors a local store keeps open for ranged reads before it recycles them.
 MAX_OPEN_FILES = 256
+
+#: Seconds one remote request may take in all, retries included (``--timeout``).
+DEFAULT_TIMEOUT = 60.0
+#: How a request's budget is spent: botocore tries it this many times (standard mode
+#: retries throttling, 5xx, timeouts and connection errors). s3fs's own retry loop is
+#: set to one try: it nests (a read runs s3fs's loop around a call that runs it again),
+#: so its retries would multiply the budget. A body that breaks off mid-transfer is
+#: therefore not retried: the command stops with one line and can be rerun.
+BOTO_ATTEMPTS = 3
+S3FS_ATTEMPTS = 1
+_timeout: float | None = None
 
 
 @dataclass
@@ -76,8 +88,60 @@ def split_url(url: str) -> tuple[str, str]:
     return "file", os.path.abspath(url)
 
 
-def _s3_options(options: dict) -> dict:
-    opts = {"use_listings_cache": False, "skip_instance_cache": True}
+def parse_timeout(value) -> float:
+    """A ``--timeout``/``CKPTCTL_TIMEOUT`` value in seconds (> 0).
+
+    >>> parse_timeout("2.5"), parse_timeout(60)
+    (2.5, 60.0)
+    """
+    try:
+        t = float(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"--timeout expects seconds, got {str(value)[:40]!r}") from None
+    if not t > 0 or t == float("inf"):
+        raise UsageError(f"--timeout must be a positive number of seconds, got {value}")
+    return t
+
+
+def set_timeout(seconds: float | None) -> None:
+    """Set the budget of one remote request (retries included) for stores opened from now
+    on; ``None`` goes back to ``CKPTCTL_TIMEOUT`` or :data:`DEFAULT_TIMEOUT`.
+
+    >>> set_timeout(5); request_timeout()
+    5.0
+    >>> set_timeout(None)
+    """
+    global _timeout
+    _timeout = None if seconds is None else parse_timeout(seconds)
+
+
+def request_timeout() -> float:
+    """The budget of one remote request: :func:`set_timeout`, else ``CKPTCTL_TIMEOUT``,
+    else :data:`DEFAULT_TIMEOUT` (60 s)."""
+    if _timeout is not None:
+        return _timeout
+    env = os.environ.get("CKPTCTL_TIMEOUT")
+    return parse_timeout(env) if env else DEFAULT_TIMEOUT
+
+
+def _s3_options(options: dict, timeout: float | None = None) -> dict:
+    """ckptctl's s3fs options under the user's own (which win, key by key).
+
+    ``timeout`` (default :func:`request_timeout`) bounds one request, retries included:
+    botocore tries it :data:`BOTO_ATTEMPTS` times (s3fs :data:`S3FS_ATTEMPTS`), each try
+    waiting at most ``timeout / 3`` for the connection (10 s at most) and for each read,
+    so a server that accepts and never answers fails the request after about ``timeout``
+    s (plus botocore's backoff between tries, under 3 s).
+
+    >>> o = _s3_options({"config_kwargs": {"read_timeout": 300}}, timeout=60)
+    >>> o["retries"], o["config_kwargs"]["read_timeout"], o["config_kwargs"]["connect_timeout"]
+    (1, 300, 10.0)
+    >>> o["config_kwargs"]["retries"]  # botocore's max_attempts would count retries only
+    {'total_max_attempts': 3, 'mode': 'standard'}
+    """
+    timeout = parse_timeout(timeout) if timeout is not None else request_timeout()
+    per_try = timeout / (BOTO_ATTEMPTS * S3FS_ATTEMPTS)
+    opts = {"use_listings_cache": False, "skip_instance_cache": True, "retries": S3FS_ATTEMPTS}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
     if endpoint and "endpoint_url" not in options and "endpoint_url" not in options.get(
             "client_kwargs", {}):
@@ -86,10 +150,29 @@ def _s3_options(options: dict) -> dict:
     # botocore validates full-object CRCs on ranged GETs against servers (rclone) that send
     # them for the whole object, and fails; ckptctl verifies content with its own hashes.
     cfg = {"response_checksum_validation": "when_required",
-           "request_checksum_calculation": "when_required"}
+           "request_checksum_calculation": "when_required",
+           "connect_timeout": min(per_try, 10.0), "read_timeout": per_try,
+           "retries": {"total_max_attempts": BOTO_ATTEMPTS, "mode": "standard"}}
     cfg.update(opts.get("config_kwargs") or {})
     opts["config_kwargs"] = cfg
     return opts
+
+
+def _s3_budget(fs) -> float | None:
+    """About how long one request to ``fs`` may take at most, from its actual settings."""
+    cfg = getattr(fs, "config_kwargs", None)
+    if not isinstance(cfg, dict):
+        return None
+    try:
+        read = float(cfg.get("read_timeout", getattr(fs, "read_timeout", 15)))
+        retries = cfg.get("retries") or {}
+        if "total_max_attempts" in retries:
+            boto = int(retries["total_max_attempts"])
+        else:  # botocore: retries after the first try (legacy mode's default: 4)
+            boto = int(retries.get("max_attempts", 4)) + 1
+        return read * max(1, boto) * max(1, int(getattr(fs, "retries", 1)))
+    except (TypeError, ValueError):
+        return None
 
 
 def make_filesystem(protocol: str, options: dict | None = None):
@@ -98,15 +181,26 @@ def make_filesystem(protocol: str, options: dict | None = None):
     import fsspec
 
     options = dict(options or {})
+    retries = None
     if protocol in ("s3", "s3a"):
         options = _s3_options(options)
         protocol = "s3"
+        # s3fs takes its retry count as an attribute only: passed to the constructor it
+        # reaches aiobotocore's session, which refuses it (TypeError at the first request)
+        retries = options.pop("retries")
     try:
-        return fsspec.filesystem(protocol, **options)
+        fs = fsspec.filesystem(protocol, **options)
     except ImportError as e:
         raise StorageError(None, f"no filesystem for {protocol}://: {e}") from None
     except (TypeError, ValueError) as e:
         raise UsageError(f"bad storage options for {protocol}://: {type(e).__name__}") from None
+    if retries is not None:
+        try:
+            fs.retries = max(1, int(retries))
+        except (TypeError, ValueError):
+            raise UsageError(f"storage option retries must be an integer, got {retries!r}") \
+                from None
+    return fs
 
 
 def open_store(url: str, storage_options: dict | None = None) -> "Store":
@@ -189,26 +283,45 @@ class Store:
     # ---------------------------------------------------------------- errors
     @contextlib.contextmanager
     def _errors(self, rel: str) -> Iterator[None]:
-        shown = self.display(rel)
+        """Turn any failure of the storage calls inside into one :class:`CkptError`
+        naming ``rel`` and the cause (see :func:`storage_error`).
+
+        Once a request to a server has timed out or found it unreachable, further
+        requests to that server fail at once for the next budget's worth of seconds
+        (a circuit breaker): a command that is failing anyway, its other threads and its
+        cleanup do not each wait out the whole budget again."""
+        server = None if self.is_local else self._server()
+        if server is not None:
+            dead = _dead_server(server)
+            if dead is not None:
+                raise StorageError(self.display(rel), dead[0], code=dead[1])
         try:
             yield
-        except FileNotFoundError:
-            raise NotFoundError(shown, "not found") from None
-        except IsADirectoryError:
-            raise StorageError(shown, "is a directory") from None
-        except PermissionError:
-            raise StorageError(shown, "permission denied") from None
         except CkptError:
             raise
-        except OSError as e:
-            raise StorageError(shown, f"I/O error: {e.strerror or type(e).__name__}") from None
-        except Exception as e:  # botocore/aiohttp errors: keep the class name, not the text
-            name = type(e).__name__
-            if "Credential" in name or "AccessDenied" in str(e)[:200]:
-                raise StorageError(shown, "access denied (check credentials)") from None
-            if "Connect" in name or "Endpoint" in name:
-                raise StorageError(shown, f"remote unreachable ({name})") from None
-            raise StorageError(shown, f"storage error ({name})") from None
+        except Exception as e:  # noqa: BLE001 - every storage failure becomes one line
+            budget = _s3_budget(self.fs)
+            err = storage_error(self.display(rel), e, remote=not self.is_local,
+                                budget=budget, secrets=self._secrets())
+            if server is not None and err.code in _NO_SERVER:
+                _mark_dead(server, err.message, err.code, budget or DEFAULT_TIMEOUT)
+            raise err from None
+
+    def _server(self) -> str:
+        fs = self.fs
+        endpoint = getattr(fs, "endpoint_url", None) or (
+            getattr(fs, "client_kwargs", None) or {}).get("endpoint_url")
+        return f"{self.protocol}:{endpoint or ''}"
+
+    def _secrets(self) -> list[str]:
+        fs = self.fs
+        found = [getattr(fs, a, None) for a in ("key", "secret", "token")]
+        found += [os.environ.get(v) for v in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+                                               "AWS_SESSION_TOKEN")]
+        sk = getattr(fs, "storage_options", None) or {}
+        found += [sk.get(k) for k in ("key", "secret", "token", "password")
+                  if isinstance(sk, dict)]
+        return [x for x in found if isinstance(x, str) and len(x) >= 4]
 
     # ---------------------------------------------------------------- reads
     def read_range(self, rel: str, start: int, end: int) -> bytes:
@@ -288,14 +401,20 @@ class Store:
             self.stats.bytes_read += len(data)
         return data
 
-    def open(self, rel: str, mode: str = "rb", **kw):
-        """A file object: streaming reads, or a streaming write (S3: one multipart upload)."""
+    def open(self, rel: str, mode: str = "rb", **kw) -> "StoreFile":
+        """A file object: streaming reads, or a streaming write (S3: one multipart upload).
+
+        Every call on it (``write``, ``read``, ``flush``, ``close``, where S3 uploads and a
+        full disk shows up) fails as one :class:`CkptError` naming ``rel``. Leaving a
+        ``with`` block by an exception abandons a remote write (the upload is aborted, no
+        partial object appears) instead of completing it.
+        """
         with self._errors(rel):
             full = self.full(rel)
             if self.is_local and ("w" in mode or "x" in mode):
                 self._forget(rel)
                 os.makedirs(os.path.dirname(full), exist_ok=True)
-            return self.fs.open(full, mode, **kw)
+            return StoreFile(self, rel, self.fs.open(full, mode, **kw), mode)
 
     def size(self, rel: str) -> int:
         with self._errors(rel):
@@ -412,6 +531,286 @@ class Store:
                 self.fs.rm_file(self.full(rel))
             except FileNotFoundError:
                 pass
+
+
+class StoreFile:
+    """A file of a :class:`Store` whose every I/O call runs inside the store's error
+    mapping. Used like the file it wraps (``write``, ``read``, ``readinto``, ``seek``,
+    ``tell``, ``flush``, ``close``, ``with``); other attributes pass through.
+
+    >>> import tempfile
+    >>> s = open_store(tempfile.mkdtemp())
+    >>> with s.open("x.bin", "wb") as f:
+    ...     f.write(b"abc")
+    3
+    >>> with s.open("x.bin") as f:
+    ...     f.read()
+    b'abc'
+    """
+
+    def __init__(self, store: Store, rel: str, f, mode: str):
+        self.store, self.rel, self.f, self.mode = store, rel, f, mode
+
+    @property
+    def writing(self) -> bool:
+        return any(c in self.mode for c in "wxa+")
+
+    def write(self, b) -> int:
+        with self.store._errors(self.rel):
+            n = self.f.write(b)
+        return len(b) if n is None else n
+
+    def read(self, n: int = -1) -> bytes:
+        with self.store._errors(self.rel):
+            return self.f.read(n)
+
+    def readinto(self, b) -> int:
+        with self.store._errors(self.rel):
+            return self.f.readinto(b)
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        with self.store._errors(self.rel):
+            return self.f.seek(pos, whence)
+
+    def tell(self) -> int:
+        with self.store._errors(self.rel):
+            return self.f.tell()
+
+    def flush(self) -> None:
+        with self.store._errors(self.rel):
+            self.f.flush()
+
+    def sync(self) -> None:
+        """Flush and make what was written durable (local ``fsync``; S3: nothing until
+        ``close`` completes the upload)."""
+        with self.store._errors(self.rel):
+            self.f.flush()
+            if self.store.is_local:
+                os.fsync(self.f.fileno())
+
+    def close(self) -> None:
+        """Finish the file (S3: upload the rest and complete the upload). If that fails,
+        the remote upload is aborted where the server can still be reached."""
+        try:
+            with self.store._errors(self.rel):
+                self.f.close()
+        except CkptError as e:
+            if self.writing and not self.store.is_local and e.code not in _NO_SERVER:
+                self.discard()
+            _mark_closed(self.f)
+            raise
+
+    def discard(self) -> None:
+        """Abandon the file without publishing it (S3: abort the multipart upload; local:
+        close it, the bytes written stay for the caller to remove). Never raises."""
+        try:
+            if self.writing and not self.store.is_local and hasattr(self.f, "discard"):
+                self.f.discard()
+            else:
+                self.f.close()
+        except Exception:  # noqa: BLE001 - the error that made us abandon it matters
+            pass
+        _mark_closed(self.f)
+
+    @property
+    def closed(self) -> bool:
+        return bool(getattr(self.f, "closed", False))
+
+    def __enter__(self) -> "StoreFile":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if exc_type is None:
+            self.close()
+        else:
+            self.discard()
+        return False
+
+    def __getattr__(self, name):
+        if name == "f":  # not set yet (half-built object): no recursion
+            raise AttributeError(name)
+        return getattr(self.f, name)
+
+    def __iter__(self):
+        return iter(self.f)
+
+
+def _mark_closed(f) -> None:
+    """Make sure a failed fsspec file does not retry its upload from ``__del__``."""
+    try:
+        if getattr(f, "closed", True) is False:
+            f.closed = True
+    except Exception:  # noqa: BLE001 - a plain file object: its own close already ran
+        pass
+
+
+#: Error codes after which talking to the server again (to abort an upload) is pointless.
+_NO_SERVER = ("REMOTE_TIMEOUT", "REMOTE_UNREACHABLE")
+_dead: dict[str, tuple[float, str, str]] = {}  # server -> (monotonic deadline, message, code)
+_dead_lock = threading.Lock()
+
+
+def _mark_dead(server: str, message: str, code: str, seconds: float) -> None:
+    import time
+
+    with _dead_lock:
+        _dead[server] = (time.monotonic() + seconds, message, code)
+
+
+def _dead_server(server: str) -> tuple[str, str] | None:
+    """(message, code) of the failure that marked ``server`` dead, while that holds."""
+    import time
+
+    with _dead_lock:
+        hit = _dead.get(server)
+        if hit is None:
+            return None
+        if time.monotonic() >= hit[0]:
+            del _dead[server]
+            return None
+        return hit[1], hit[2]
+
+
+def forget_dead_servers() -> None:
+    """Clear the circuit breaker (tests; a long-running caller that knows better)."""
+    with _dead_lock:
+        _dead.clear()
+
+_ERRNO_TEXT = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EISDIR: "is a directory",
+    errno.ENOTDIR: "a parent is not a directory",
+    errno.EFBIG: "file too large for the file system",
+    errno.EMFILE: "too many open files",
+    errno.ENAMETOOLONG: "file name too long",
+    errno.EIO: "I/O error from the device",
+    errno.ESTALE: "stale file handle (network file system)",
+}
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e``, its causes and contexts, and the ``error`` botocore wraps, outermost first."""
+    out: list[BaseException] = []
+    todo = [e]
+    while todo and len(out) < 20:
+        x = todo.pop(0)
+        if x is None or any(x is y for y in out):
+            continue
+        out.append(x)
+        kw = getattr(x, "kwargs", None)
+        inner = kw.get("error") if isinstance(kw, dict) else None
+        todo += [x.__cause__, x.__context__, inner if isinstance(inner, BaseException) else None,
+                 getattr(x, "os_error", None)]
+    return out
+
+
+def _client_code(chain: list[BaseException]) -> str | None:
+    for x in chain:
+        resp = getattr(x, "response", None)
+        if isinstance(resp, dict):
+            code = (resp.get("Error") or {}).get("Code")
+            if code:
+                return str(code)
+            status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if status:
+                return f"HTTP {status}"
+    return None
+
+
+def _names(chain: list[BaseException]) -> set[str]:
+    return {c.__name__ for x in chain for c in type(x).__mro__}
+
+
+def storage_error(shown: str, e: BaseException, *, remote: bool = False,
+                  budget: float | None = None, secrets: list[str] | None = None) -> CkptError:
+    """The one-line error for a storage failure ``e`` at ``shown``: what happened, in words
+    (never a bare exception class, never a credential).
+
+    >>> import errno
+    >>> str(storage_error("out/model.safetensors", OSError(errno.ENOSPC, "No space left")))
+    'out/model.safetensors: no space left on device'
+    >>> str(storage_error("s3://b/x", TimeoutError(), remote=True, budget=60))
+    's3://b/x: timed out after 60 s (server not answering; see --timeout)'
+    """
+    chain = _chain(e)
+    names = _names(chain)
+    code = _client_code(chain) if remote else None
+    after = f" after {budget:g} s" if budget else ""
+
+    def bad(message: str, code_: str = "IO_ERROR", cls=StorageError) -> CkptError:
+        return cls(shown, _scrub(message, secrets), code=code_)
+
+    if code == "NoSuchBucket":
+        return bad("no such bucket", "MISSING_FILE", NotFoundError)
+    if code in ("NoSuchKey", "NoSuchUpload", "HTTP 404") or isinstance(e, FileNotFoundError):
+        return bad("not found", "MISSING_FILE", NotFoundError)
+    if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                "AllAccessDisabled", "AccountProblem", "InvalidToken", "HTTP 403") or (
+            names & {"NoCredentialsError", "PartialCredentialsError",
+                     "CredentialRetrievalError"}):
+        what = {"InvalidAccessKeyId": "unknown access key",
+                "SignatureDoesNotMatch": "wrong secret key",
+                "ExpiredToken": "expired session token"}.get(code or "")
+        if names & {"NoCredentialsError", "PartialCredentialsError"}:
+            what = "no credentials"
+        return bad(f"access denied ({what or code or 'check credentials'}; check "
+                   "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --storage-option key=/secret=)")
+    if code in ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                "TooManyRequests", "HTTP 429"):
+        return bad(f"server is throttling requests ({code}); still refused{after}, "
+                   "retry later or raise --timeout", "REMOTE_TIMEOUT")
+    if code in ("RequestTimeout",):
+        return bad(f"server timed out reading the request ({code})", "REMOTE_TIMEOUT")
+    if code in ("InternalError", "ServiceUnavailable", "HTTP 500", "HTTP 502", "HTTP 503",
+                "HTTP 504"):
+        return bad(f"server error ({code})")
+    if names & {"ReadTimeoutError", "ConnectTimeoutError", "TimeoutError", "FSTimeoutError",
+                "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError"}:
+        if "ConnectTimeoutError" in names:
+            return bad(f"remote unreachable (connect timed out{after})", "REMOTE_UNREACHABLE")
+        return bad(f"timed out{after} (server not answering; see --timeout)", "REMOTE_TIMEOUT")
+    if names & {"ConnectionRefusedError"} or any(
+            getattr(x, "errno", None) == errno.ECONNREFUSED for x in chain):
+        return bad("remote unreachable (connection refused)", "REMOTE_UNREACHABLE")
+    if names & {"gaierror", "ClientConnectorDNSError"}:
+        return bad("remote unreachable (host name not found)", "REMOTE_UNREACHABLE")
+    if names & {"EndpointConnectionError", "ClientConnectorError", "ProxyConnectionError"}:
+        return bad("remote unreachable (could not connect)", "REMOTE_UNREACHABLE")
+    if names & {"SSLError", "ClientSSLError", "SSLCertVerificationError"}:
+        return bad("TLS error talking to the server (certificate or protocol)",
+                   "REMOTE_UNREACHABLE")
+    if names & {"ConnectionClosedError", "ServerDisconnectedError", "ConnectionResetError",
+                "BrokenPipeError", "ClientPayloadError", "IncompleteRead",
+                "IncompleteReadError", "ResponseStreamingError", "ClientOSError",
+                "ConnectionAbortedError"}:
+        return bad("remote unreachable (connection closed by the server)", "REMOTE_UNREACHABLE")
+    if code == "PreconditionFailed" or isinstance(e, FileExistsError):
+        return bad("already exists", "ALREADY_EXISTS")
+    if code:  # any other answer of the server: its code says what it refused
+        return bad(f"refused by the server ({code})")
+    if isinstance(e, OSError):
+        if e.errno in _ERRNO_TEXT:
+            return bad(_ERRNO_TEXT[e.errno])
+        if isinstance(e, PermissionError):
+            return bad("permission denied")
+        if isinstance(e, IsADirectoryError):
+            return bad("is a directory")
+        text = e.strerror or (os.strerror(e.errno) if e.errno else "") or type(e).__name__
+        return bad(f"I/O error: {text}")
+    if isinstance(e, MemoryError):
+        return bad("out of memory")
+    detail = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+    return bad(f"storage error ({type(e).__name__}{': ' + detail if detail else ''})")
+
+
+def _scrub(message: str, secrets: list[str] | None) -> str:
+    for s in secrets or ():
+        message = message.replace(s, "***")
+    return message
 
 
 class SmallFileCache:
