@@ -213,11 +213,10 @@ def _candidates(name: str) -> list[str]:
 
 def _check_fits(name: str, shape, p: Placement, mesh: Mesh, rule: Rule) -> None:
     """Refuse splits that leave ranks with nothing (more shards than elements) unless the
-    rule allows it (presets do, as FSDP2 pads such parameters), and sharding empty dims."""
-    for i, d in enumerate(p.shard):
-        if d is not None and shape[d] == 0:
-            raise UsageError(f"{name}: rule {rule.pattern!r} shards an empty dim {d} on "
-                             f"{mesh.names[i]}")
+    rule allows it (presets do, as FSDP2 pads such parameters). An empty tensor (a dim of
+    size 0) shards like any other, as DTensor does: each rank's box is empty."""
+    if 0 in shape:
+        return
     per_dim: dict[int, int] = {}
     for i, d in enumerate(p.shard):
         if d is not None:

@@ -1,5 +1,6 @@
-"""Shared fixtures: real checkpoints written by torch (fixtures_torch), real S3 servers on
-loopback (fixtures_s3), and a tiny in-process DCP checkpoint for the fast tests."""
+"""Shared fixtures: real checkpoints written by torch (fixtures_torch) and by third-party
+tools (fixtures_thirdparty), real S3 servers on loopback (fixtures_s3), and a tiny
+in-process DCP checkpoint for the fast tests."""
 from __future__ import annotations
 
 import io
@@ -9,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["fixtures_torch", "fixtures_s3"]
-collect_ignore = ["fixtures"]  # generator scripts, run by fixtures_torch
+pytest_plugins = ["fixtures_torch", "fixtures_s3", "fixtures_thirdparty"]
+collect_ignore = ["fixtures"]  # generator scripts, run by fixtures_torch / fixtures_thirdparty
 
 TESTS = Path(__file__).parent
 
@@ -36,10 +37,8 @@ def cli():
 
 def write_tiny_dcp(path: Path, *, zstd: bool = False) -> dict:
     """A small DCP checkpoint from one process (no process group); returns its state dict."""
-    import warnings
 
     import torch
-    import torch.distributed.checkpoint as dcp
 
     g = torch.Generator().manual_seed(0)
     sd = {
@@ -49,6 +48,17 @@ def write_tiny_dcp(path: Path, *, zstd: bool = False) -> dict:
         "optim": {"param_groups": [{"lr": 0.01, "betas": (0.9, 0.95)}]},
         "step": 42,
     }
+    dcp_save(path, sd, zstd=zstd)
+    return sd
+
+
+def dcp_save(path: Path, sd: dict, *, zstd: bool = False) -> None:
+    """``torch.distributed.checkpoint.save`` from one process (no process group), with
+    DCP's ``stream.zstd/1`` transform when ``zstd``."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
     writer = None
     if zstd:
         from torch.distributed.checkpoint._extension import ZStandard
@@ -57,7 +67,33 @@ def write_tiny_dcp(path: Path, *, zstd: bool = False) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save(sd, checkpoint_id=None if writer else str(path), storage_writer=writer)
-    return sd
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``small_tmpfs("3m")``: a size-capped tmpfs for out-of-space tests, unmounted after
+    the test (needs root and mount permission; the test is skipped with the reason else)."""
+    import shutil
+    import subprocess
+
+    mounted = []
+
+    def make(size: str):
+        if not shutil.which("mount"):
+            pytest.skip("out-of-space tests need `mount` for a size-capped tmpfs")
+        mnt = tmp_path / f"small-{size}"
+        mnt.mkdir()
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs for out-of-space tests: {r.stderr.strip()}")
+        mounted.append(mnt)
+        return mnt
+
+    yield make
+    for mnt in mounted:
+        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], check=True)
 
 
 @pytest.fixture
@@ -65,3 +101,31 @@ def tiny_dcp(tmp_path) -> Path:
     p = tmp_path / "step-42"
     write_tiny_dcp(p)
     return p
+
+
+#: Runs ckptctl's ``__main__`` and, at exit, copies ``/proc/self/status`` to the file named
+#: by its first argument: ``VmHWM`` is that process's own peak RSS (``ru_maxrss`` of a child
+#: also counts the pages of the pytest process it was forked from).
+_MEASURED = ("import atexit, runpy, sys\n"
+             "out = sys.argv.pop(1)\n"
+             "atexit.register(lambda: open(out, 'w').write(open('/proc/self/status').read()))\n"
+             "sys.argv[0] = 'ckptctl'\n"
+             "runpy.run_module('ckptctl', run_name='__main__', alter_sys=True)\n")
+
+
+def run_measured(*args, timeout: float = 300, cwd=None):
+    """Run ``ckptctl ARGS`` in a child: (exit code, stdout, stderr, wall seconds, peak RSS
+    in MiB of that process alone)."""
+    import subprocess
+    import tempfile
+    import time
+
+    with tempfile.NamedTemporaryFile("r", suffix=".status") as st:
+        t0 = time.monotonic()
+        p = subprocess.run([sys.executable, "-c", _MEASURED, st.name, *map(str, args)],
+                           capture_output=True, text=True, timeout=timeout, cwd=cwd)
+        wall = time.monotonic() - t0
+        status = open(st.name).read()
+    kib = next((int(line.split()[1]) for line in status.splitlines()
+                if line.startswith("VmHWM:")), 0)
+    return p.returncode, p.stdout, p.stderr, wall, kib / 1024

@@ -3,7 +3,6 @@ stays in row blocks, bad layouts are refused before writing, S3 both ways."""
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest

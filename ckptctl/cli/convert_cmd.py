@@ -13,6 +13,8 @@ from .progress import byte_progress
 MaxMemOpt = typer.Option("1GiB", "--max-memory", metavar="SIZE",
                          help="Memory budget for tensor data (1GiB, 512MB, ...).")
 WorkersOpt = typer.Option(4, "--workers", help="Parallel readers/writers.")
+ForceOpt = typer.Option(False, "--force", help="Replace a non-empty DST (e.g. what a killed "
+                        "run left); its manifest and .metadata are removed first.")
 
 
 @app.command()
@@ -29,6 +31,7 @@ def reshard(
     max_memory: str = MaxMemOpt,
     workers: int = WorkersOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan, write nothing."),
+    force: bool = ForceOpt,
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
@@ -43,7 +46,7 @@ def reshard(
     CTX.quiet = quiet
     with byte_progress("reshard", None, enabled=not (json or quiet or dry_run)) as cb:
         r = do_reshard(src, dst, mesh=mesh, rules=rules, world_size=world_size,
-                       max_memory=max_memory, workers=workers, dry_run=dry_run,
+                       max_memory=max_memory, workers=workers, dry_run=dry_run, force=force,
                        storage_options=storage_options(storage_option), on_bytes=cb)
     if json:
         emit_json(r.to_dict())
@@ -77,6 +80,7 @@ def consolidate(
                                        help="safetensors: largest file before a new shard."),
     max_memory: str = MaxMemOpt,
     workers: int = WorkersOpt,
+    force: bool = ForceOpt,
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
@@ -92,8 +96,8 @@ def consolidate(
     with byte_progress("consolidate", None, enabled=not (json or quiet)) as cb:
         r = do_consolidate(src, dst, to=to, only=only, dtype=dtype, strip_prefix=strip_prefix,
                            max_shard_size=max_shard_size, max_memory=max_memory,
-                           workers=workers, storage_options=storage_options(storage_option),
-                           on_bytes=cb)
+                           workers=workers, force=force,
+                           storage_options=storage_options(storage_option), on_bytes=cb)
     if json:
         emit_json(r.to_dict())
         return

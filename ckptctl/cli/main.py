@@ -7,7 +7,7 @@ import sys
 import typer
 
 from .. import __version__
-from ..errors import EXIT_INTERRUPTED, EXIT_OPERATIONAL, EXIT_USAGE, CkptError
+from ..errors import EXIT_INTERRUPTED, EXIT_OPERATIONAL, EXIT_USAGE, CkptError, shorten
 from .common import CTX
 
 EXIT_STATUS = """\b
@@ -41,11 +41,57 @@ def _global(
     debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version and exit."),
+    timeout: float = typer.Option(
+        60.0, "--timeout", metavar="SECONDS", envvar="CKPTCTL_TIMEOUT",
+        help="Most seconds one remote (S3) request may take, retries included; a dead or "
+             "silent server then stops the command with exit 3."),
 ):
+    from ..storage.store import forget_dead_servers, set_timeout
+
     CTX.debug = debug
+    set_timeout(timeout)  # UsageError (exit 2) unless > 0
+    forget_dead_servers()  # one command's verdicts on servers do not leak into the next
+    CTX.timeout = timeout
 
 
 from . import convert_cmd, inspect_cmd, ls_cmd, verify_cmd  # noqa: E402,F401  (registers)
+
+
+def _sigterm_as_interrupt():
+    """SIGTERM (kill, a scheduler's preemption) takes Ctrl-C's path: writers remove what
+    they wrote, exit 130. Returns the handler it replaced (None off the main thread)."""
+    import signal
+    import threading
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt
+
+    if threading.current_thread() is threading.main_thread():
+        return signal.signal(signal.SIGTERM, handler)
+    return None
+
+
+def _quiet_library_logs() -> None:
+    """Libraries log through the root logger; with no handler Python prints WARNING and
+    above to stderr (aiohttp's "Task exception was never retrieved" after a server dies).
+    ckptctl says what went wrong in its own one line; --debug shows the rest."""
+    import logging
+
+    root = logging.getLogger()
+    if not any(isinstance(h, logging.NullHandler) for h in root.handlers):
+        root.addHandler(logging.NullHandler())
+
+
+def _hoist_timeout(args: list[str]) -> list[str]:
+    """``--timeout S`` is global but accepted anywhere on the line, like ``--debug``."""
+    for i, a in enumerate(args):
+        if a == "--":
+            break
+        if a.startswith("--timeout="):
+            return [a] + args[:i] + args[i + 1:]
+        if a == "--timeout" and i + 1 < len(args):
+            return [a, args[i + 1]] + args[:i] + args[i + 2:]
+    return args
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -55,6 +101,20 @@ def main(argv: list[str] | None = None) -> None:
     CTX.debug = "--debug" in args
     if CTX.debug:  # accepted anywhere on the line, not only before the command
         args = ["--debug"] + [a for a in args if a != "--debug"]
+    args = _hoist_timeout(args)
+    if not CTX.debug:
+        _quiet_library_logs()
+    previous = _sigterm_as_interrupt()
+    try:
+        _run(args)
+    finally:
+        if previous is not None:  # an in-process caller (tests, a library user) keeps its own
+            import signal
+
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _run(args: list[str]) -> None:
     try:
         rv = app(args=args, prog_name="ckptctl", standalone_mode=False)
     except typer.Abort:
@@ -75,8 +135,10 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as e:  # noqa: BLE001 - a bug: one line, the traceback under --debug
         if CTX.debug:
             raise
-        print(f"ckptctl: internal error: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+        print(f"ckptctl: internal error: {type(e).__name__}: {shorten(e, 200)}"
               " (rerun with --debug for a traceback)", file=sys.stderr)
         sys.exit(EXIT_OPERATIONAL)
+    if rv == EXIT_INTERRUPTED:  # typer turns KeyboardInterrupt into Exit(130), silently
+        print("ckptctl: interrupted", file=sys.stderr)
     sys.exit(rv if isinstance(rv, int) else 0)
 

@@ -36,8 +36,11 @@ class DcpWriter:
     gets one multipart upload per file); different ranks may be written in parallel.
     """
 
-    def __init__(self, store: Store, *, algo: str = "xxh3-128", on_bytes=None):
+    def __init__(self, store: Store, *, algo: str = "xxh3-128", on_bytes=None, sink=None):
         self.store = store
+        # where files are created: ``store`` itself, or anything with the same ``open`` and
+        # ``write_atomic`` (ops.output.OutputDir: fsync, cleanup, cancellation)
+        self.sink = sink if sink is not None else store
         self.meta = _Meta()
         self.algo = algo
         self.on_bytes = on_bytes
@@ -48,7 +51,7 @@ class DcpWriter:
         """Write rank ``rank``'s file from ``items``: ``("tensor", fqn, dtype, shape,
         offsets, sizes, blocks)`` or ``("object", fqn, payload_bytes)``. Returns its size."""
         rel = rank_file(rank)
-        with self.store.open(rel, "wb") as f:
+        with self.sink.open(rel, "wb") as f:
             out = HashingWriter(f, self.algo, self.on_bytes)
             for item in items:
                 start = out.pos
@@ -100,6 +103,6 @@ class DcpWriter:
                       storage_meta=StorageMeta(checkpoint_id=None, save_id=uuid.uuid4().hex),
                       version="1.0.0")
         data = pickle.dumps(md)
-        self.store.write_atomic(METADATA, data)
+        self.sink.write_atomic(METADATA, data)
         self.hashes[METADATA] = (digest_bytes(data, self.algo), len(data))
         return data

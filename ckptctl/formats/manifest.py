@@ -11,9 +11,22 @@ import json
 
 from ..errors import FormatError, UnsafeInputError
 from ..storage import Store
+from .limits import load_json
 
 MANIFEST = "ckptctl.manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
+#: Written first and removed last by every ckptctl writer (ops/output.py): while it is
+#: there, the folder is an unfinished write whatever else it holds.
+WRITING_MARKER = ".ckptctl-writing"
+
+
+def writer_unfinished(files: dict[str, int]) -> bool:
+    """Did a ckptctl writer start in this folder and not finish?
+
+    >>> writer_unfinished({".ckptctl-writing": 80, "model.safetensors": 8}), writer_unfinished({})
+    (True, False)
+    """
+    return WRITING_MARKER in files
 
 
 def read_manifest(store: Store, files: dict[str, int]) -> dict | None:
@@ -23,10 +36,7 @@ def read_manifest(store: Store, files: dict[str, int]) -> dict | None:
     where = store.display(MANIFEST)
     if files[MANIFEST] > MAX_MANIFEST_BYTES:
         raise UnsafeInputError(where, "manifest is absurdly large")
-    try:
-        doc = json.loads(store.read(MANIFEST))
-    except (UnicodeDecodeError, ValueError):
-        raise FormatError(where, "manifest is not valid JSON") from None
+    doc = load_json(store.read(MANIFEST), where, "manifest")
     if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
         raise FormatError(where, "manifest has no files table")
     return doc
@@ -89,8 +99,19 @@ def serialize(doc: dict) -> bytes:
     return (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode()
 
 
-def manifest_id(data: bytes, algo: str = "xxh3-128") -> str:
-    """The checkpoint's identity: ``<algo>:<digest of the manifest's bytes>``."""
+def manifest_id(doc: dict, algo: str | None = None) -> str:
+    """The checkpoint's identity, ``<algo>:<digest>``, derived from its content alone (each
+    file's name, size and hash; not the creation time, tags or tool version): two sealers of
+    the same bytes get the same id, whoever's manifest is stored.
+
+    >>> a = {"hash": "xxh3-128", "created": "x", "files": {"f": {"size": 1, "hash": "ab"}}}
+    >>> manifest_id(a) == manifest_id(dict(a, created="y"))
+    True
+    """
     from ..storage import digest_bytes
 
-    return f"{algo}:{digest_bytes(data, algo)}"
+    algo = algo or doc.get("hash") or "xxh3-128"
+    files = {rel: {"size": rec.get("size"), "hash": rec.get("hash")}
+             for rel, rec in sorted((doc.get("files") or {}).items())}
+    canon = json.dumps(files, sort_keys=True, separators=(",", ":")).encode()
+    return f"{algo}:{digest_bytes(canon, algo)}"

@@ -9,13 +9,12 @@ single-rank DCP checkpoint; streamed in row blocks with bounded memory, then sea
 from __future__ import annotations
 
 import io
-import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from ..errors import UsageError
+from ..errors import UsageError, shorten
+from ..formats.composite import refuse_opaque
 from ..formats.detect import open_checkpoint
 from ..formats.safetensors_write import index_json, shard_names, split_shards, write_file
 from ..formats.torchsave import SUFFIXES
@@ -23,9 +22,9 @@ from ..model import DTYPES, Checkpoint, dtype_from_name
 from ..storage import HashingWriter, Store, open_store, split_url
 from .closure import classify, parse_parts
 from .copier import BlockStream, dtype_converter, stream_depth
+from .output import OutputDir
 from .plan import consolidation_plan
-from .reshard import (DEFAULT_MAX_MEMORY, _execute, _require_empty, commit_output,
-                      object_payload, parse_size)
+from .reshard import DEFAULT_MAX_MEMORY, _execute, commit_output, object_payload, parse_size
 
 TARGETS = ("safetensors", "torch", "dcp")
 
@@ -70,37 +69,16 @@ def _out_name(name: str, strip: str | None) -> str:
     return name[len(strip):] if strip and name.startswith(strip) else name
 
 
-class _LocalAtomic:
-    """Write ``rel`` under a temp name and rename it into place on success (POSIX); on S3,
-    write the final name directly (the manifest, written last, is the commit)."""
-
-    def __init__(self, store: Store, rel: str):
-        self.store, self.rel = store, rel
-        self.tmp = (f"{os.path.dirname(rel)}/." if "/" in rel else ".") + \
-            f"{os.path.basename(rel)}.partial" if store.is_local else rel
-
-    def __enter__(self):
-        self.f = self.store.open(self.tmp, "wb")
-        return self.f
-
-    def __exit__(self, exc_type, exc, tb):
-        self.f.close()
-        if exc_type is not None:
-            if self.store.is_local:
-                self.store.remove(self.tmp)
-            return False
-        if self.store.is_local:
-            os.replace(self.store.full(self.tmp), self.store.full(self.rel))
-        return False
-
-
 def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None = None,
                 dtype: str | None = None, strip_prefix: str | None = None,
                 max_shard_size: int | str = "5GB", max_memory: int | str = DEFAULT_MAX_MEMORY,
                 workers: int = 4, storage_options: dict | None = None,
-                dst_storage_options: dict | None = None,
+                dst_storage_options: dict | None = None, force: bool = False,
                 on_bytes: Callable[[int], None] | None = None) -> ConsolidateResult:
-    """Write every selected entry of ``src`` whole, into ``dst`` in format ``to``."""
+    """Write every selected entry of ``src`` whole, into ``dst`` in format ``to``.
+
+    ``dst`` must be new or empty (a new file name for ``--to torch x.pt``); ``force``
+    replaces what is there."""
     t0 = time.monotonic()
     if to not in TARGETS:
         raise UsageError(f"--to must be one of {', '.join(TARGETS)}")
@@ -111,11 +89,19 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     tensors, objects = _select(ck, only)
     if not tensors and not objects:
         raise UsageError(f"nothing selected in {src} (--only {only})")
+    if to == "safetensors" and objects:  # safetensors holds tensors only: never drop silently
+        shown = ", ".join(objects[:4]) + (", ..." if len(objects) > 4 else "")
+        raise UsageError(f"the selection holds {len(objects)} non-tensor entr"
+                         f"{'y' if len(objects) == 1 else 'ies'} ({shown}) that safetensors "
+                         "cannot store; select tensors only with --only model, or keep them "
+                         "with --to torch")
+    refuse_opaque(ck, objects, verb="consolidate")
     plan = consolidation_plan(ck, only=set(tensors) | set(objects))
     opts = dst_storage_options or storage_options
     if to == "dcp":
         r = _execute(ck, plan, src, dst, dry_run=False, max_memory=max_memory, workers=workers,
-                     storage_options=opts, on_bytes=on_bytes, t0=t0, convert_dtype=conv_to)
+                     storage_options=opts, on_bytes=on_bytes, t0=t0, convert_dtype=conv_to,
+                     force=force, command="consolidate --to dcp")
         return ConsolidateResult(src, dst, to, ["__0_0.distcp", ".metadata"], len(tensors),
                                  len(objects), 0, r.bytes_written, r.seconds, r.manifest_id)
     by_name = {tc.name: tc for tc in plan.chunks}
@@ -139,13 +125,11 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
         raise UsageError("--strip-prefix makes two entries collide")
     if to == "torch":
         out = _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype,
-                           strip_prefix, on_bytes)
+                           strip_prefix, on_bytes, force)
     else:
         out = _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype,
-                                 parse_size(max_shard_size), workers, on_bytes)
-    mid = None
-    if out.folder:  # a folder is a checkpoint: commit it; a lone .pt file has no manifest
-        mid = commit_output(out.store, out.hashes, step=ck.step, tags=[])
+                                 parse_size(max_shard_size), workers, on_bytes, force)
+    mid = out.manifest_id
     skipped = 0 if to == "torch" else len(objects)
     return ConsolidateResult(src, dst, to, sorted(out.hashes), len(tensors),
                              len(objects) - skipped, skipped,
@@ -159,10 +143,18 @@ class _Written:
     store: Store
     hashes: dict[str, tuple[str, int]]  # file -> (digest, size)
     folder: bool
+    manifest_id: str | None = None  # a folder is a checkpoint: sealed; a lone .pt is not
+
+
+def _finish(od: OutputDir, ck: Checkpoint, hashes: dict, folder: bool) -> _Written:
+    """Data and format markers are written: commit, then seal (a folder only)."""
+    od.commit()
+    mid = commit_output(od.store, hashes, step=ck.step, tags=[]) if folder else None
+    return _Written(od.store, hashes, folder, mid)
 
 
 def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_shard,
-                       workers, on_bytes) -> _Written:
+                       workers, on_bytes, force) -> _Written:
     entries = []
     for n in tensors:
         d = DTYPES[out_dtype(n)]
@@ -174,28 +166,25 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_s
     entries.sort(key=lambda e: e[0])
     shards = split_shards(entries, max_shard)
     names = shard_names(len(shards))
-    store = open_store(dst, opts)
-    _require_empty(store)
-    hashes: dict[str, tuple[str, int]] = {}
     nstreams = max(1, min(workers, len(shards)))
+    with OutputDir(open_store(dst, opts), command="consolidate --to safetensors",
+                   force=force, source=ck.root) as od:
+        def one(job):
+            shard, fname = job
+            s = stream([by_out[e[0]] for e in shard], nstreams)
+            with od.open(fname) as f:
+                w = HashingWriter(f, on_bytes=on_bytes)
+                write_file(w, shard, lambda out: s.blocks(by_out[out]), {"format": "pt"})
+            return fname, w.result()
 
-    def one(job):
-        shard, fname = job
-        s = stream([by_out[e[0]] for e in shard], nstreams)
-        with _LocalAtomic(store, fname) as f:
-            w = HashingWriter(f, on_bytes=on_bytes)
-            write_file(w, shard, lambda out: s.blocks(by_out[out]), {"format": "pt"})
-        return fname, w.result()
+        hashes = dict(od.map(one, zip(shards, names), nstreams))
+        if len(shards) > 1:
+            data = index_json(shards, names)
+            od.write_atomic("model.safetensors.index.json", data)
+            from ..storage import digest_bytes
 
-    with ThreadPoolExecutor(nstreams) as pool:
-        hashes.update(pool.map(one, zip(shards, names)))
-    if len(shards) > 1:
-        data = index_json(shards, names)
-        store.write_atomic("model.safetensors.index.json", data)
-        from ..storage import digest_bytes
-
-        hashes["model.safetensors.index.json"] = (digest_bytes(data), len(data))
-    return _Written(store, hashes, True)
+            hashes["model.safetensors.index.json"] = (digest_bytes(data), len(data))
+        return _finish(od, ck, hashes, True)
 
 
 def _nest(items: list[tuple[tuple, object]]):
@@ -244,23 +233,23 @@ def _decode_object(ck: Checkpoint, name: str):
         from ..errors import UnsafeInputError
 
         raise UnsafeInputError(ck.store.display(o.extent.file), f"{name}: object refused by the "
-                               f"weights-only loader ({str(e).splitlines()[0][:100]})") from None
+                               f"weights-only loader ({shorten(e, 100)})") from None
 
 
 def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype, strip,
-                 on_bytes) -> _Written:
+                 on_bytes, force) -> _Written:
     from ..formats.torchwrite import TensorRef, TorchZipWriter, pickle_state
 
     _, path = split_url(dst)
     single_file = path.endswith(SUFFIXES)
     if single_file:
         folder, fname = dst.rstrip("/").rsplit("/", 1) if "/" in dst.rstrip("/") else (".", dst)
-        store = open_store(folder, opts)
-        if store.exists(fname):
-            raise UsageError(f"destination {dst} exists; choose a new name")
+        od = OutputDir(open_store(folder, opts), command="consolidate --to torch",
+                       force=force, single_file=fname, source=ck.root)
     else:
-        store, fname = open_store(dst, opts), "model.pt"
-        _require_empty(store)
+        od = OutputDir(open_store(dst, opts), command="consolidate --to torch", force=force,
+                       source=ck.root)
+        fname = "model.pt"
     paths = ck.info.get("paths") or {}
 
     def out_path(n: str) -> tuple:
@@ -274,10 +263,11 @@ def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype, st
     tree = _nest([(out_path(n), refs[n]) for n in tensors]
                  + [(out_path(n), _decode_object(ck, n)) for n in objects])
     s = stream(tensors, 1)
-    with _LocalAtomic(store, fname) as f:
-        w = HashingWriter(f, on_bytes=on_bytes)
-        zw = TorchZipWriter(w, pickle_state(tree))
-        for n in tensors:
-            zw.write_record(refs[n].key, s.blocks(n))
-        zw.close()
-    return _Written(store, {fname: w.result()}, not single_file)
+    with od:
+        with od.open(fname) as f:
+            w = HashingWriter(f, on_bytes=on_bytes)
+            zw = TorchZipWriter(w, pickle_state(tree))
+            for n in tensors:
+                zw.write_record(refs[n].key, s.blocks(n))
+            zw.close()
+        return _finish(od, ck, {fname: w.result()}, not single_file)

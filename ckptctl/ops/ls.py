@@ -13,11 +13,12 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
+from ..errors import CkptError, StorageError
 from ..formats.detect import detect_format, step_from_name
-from ..formats.manifest import MANIFEST
+from ..formats.manifest import MANIFEST, WRITING_MARKER
 from ..formats.torchsave import is_torch_file
 from ..storage import open_store
-from .state import checkpoint_state
+from .state import CORRUPT, StateReport, checkpoint_state
 
 _HF_BIN = re.compile(r"^pytorch_model(-\d+-of-\d+)?\.bin$")
 
@@ -57,7 +58,8 @@ def _candidates(files: dict[str, int]) -> dict[str, dict[str, int]]:
             continue  # inside a checkpoint already found
         own = by_dir[d]
         fmt = detect_format(own)
-        if fmt in ("dcp", "safetensors") or (fmt is None and MANIFEST in own):
+        if fmt in ("dcp", "safetensors", "composite") or (fmt is None and MANIFEST in own) \
+                or WRITING_MARKER in own:  # an unfinished ckptctl write is listed incomplete
             found[d] = {k: v for k, v in files.items() if d == "" or k.startswith(d + "/")}
         elif fmt == "torch":
             if any(_HF_BIN.match(f) for f in own):
@@ -77,10 +79,16 @@ def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> L
 
     def row(rel: str) -> CheckpointRow:
         url = store.display(rel) if rel else store.url
-        rep = checkpoint_state(url, storage_options)
+        try:
+            rep = checkpoint_state(url, storage_options)
+        except StorageError:
+            raise  # the storage itself failed: not a finding about one checkpoint
+        except CkptError as e:  # one bad checkpoint never hides the others
+            rep = StateReport(CORRUPT, f"{e.code}: {e}", None, None)
         step = rep.step if rep.step is not None else step_from_name(rel or root)
-        fmt = rep.format or detect_format(
-            {posixpath.relpath(k, rel) if rel else k: v for k, v in groups[rel].items()})
+        fmt = rep.format or detect_format(  # a lone file keeps its name (relpath gives ".")
+            {posixpath.basename(k) if k == rel else posixpath.relpath(k, rel) if rel else k: v
+             for k, v in groups[rel].items()})
         mtime = None
         marker = max(groups[rel], key=lambda k: (k.endswith((MANIFEST, ".metadata")), k))
         try:

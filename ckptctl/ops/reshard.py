@@ -13,7 +13,6 @@ from __future__ import annotations
 import io
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -23,6 +22,7 @@ from ..formats.detect import open_checkpoint
 from ..layout import Rules, load_rules, parse_mesh, preset
 from ..model import Checkpoint
 from ..storage import Store, open_store
+from .output import OutputDir
 from .plan import Plan, consolidation_plan, make_plan
 
 DEFAULT_MAX_MEMORY = 1 << 30
@@ -97,23 +97,18 @@ def build_rules(*, mesh: str | None, rules: str | None, world_size: int | None) 
     return preset(rules, m)
 
 
-def _require_empty(store: Store) -> None:
-    if store.exists() and store.list_files():
-        raise UsageError(f"destination {store.url} is not empty; choose a new place")
-
-
 def object_payload(ck: Checkpoint, name: str) -> bytes:
     """A DCP bytes entry for object ``name``: the source's own torch.save zip when it is
     DCP (decompressed), else ``torch.save`` of the value (already loaded safely)."""
     o = ck.objects[name]
     if o.extent is not None and o.extent.encoding in ("torch_zip", "torch_zip+zstd"):
-        from ..formats.tensorio import _decompress
+        from ..formats.tensorio import decompress_bounded
 
         blob = ck.store.read_range(o.extent.file, o.extent.offset, o.extent.offset + o.extent.length)
         if len(blob) != o.extent.length:
             raise FormatError(ck.store.display(o.extent.file), f"{name}: truncated")
         if o.extent.encoding == "torch_zip+zstd":
-            blob = _decompress(blob, ck.store.display(o.extent.file), 1 << 30)
+            blob = decompress_bounded(blob, ck.store.display(o.extent.file), 1 << 30)
         return blob
     import torch
 
@@ -122,15 +117,15 @@ def object_payload(ck: Checkpoint, name: str) -> bytes:
     return buf.getvalue()
 
 
-def write_dcp(ck: Checkpoint, plan: Plan, dst: Store, *, max_memory: int, workers: int,
+def write_dcp(ck: Checkpoint, plan: Plan, out: OutputDir, *, max_memory: int, workers: int,
               convert_dtype: str | None = None,
               on_bytes: Callable[[int], None] | None = None) -> DcpWriter:
-    """Execute ``plan`` into a DCP checkpoint at ``dst`` (data files, then ``.metadata``)."""
+    """Execute ``plan`` into a DCP checkpoint in ``out`` (data files, then ``.metadata``)."""
     from .copier import BlockStream, dtype_converter, stream_depth
 
     by_rank = {r: cs for r, cs in plan.by_rank().items() if cs or r == 0}
     nworkers = max(1, min(workers, len(by_rank)))
-    writer = DcpWriter(dst, on_bytes=on_bytes)
+    writer = DcpWriter(out.store, on_bytes=on_bytes, sink=out)
 
     def converts(tc) -> bool:
         return bool(convert_dtype and tc.dtype.kind == "float" and tc.dtype.name != convert_dtype)
@@ -147,8 +142,7 @@ def write_dcp(ck: Checkpoint, plan: Plan, dst: Store, *, max_memory: int, worker
             for name in plan.objects:
                 yield ("object", name, object_payload(ck, name))
 
-    with ThreadPoolExecutor(nworkers) as pool:
-        list(pool.map(lambda r: writer.write_rank(r, items(r)), sorted(by_rank)))
+    out.map(lambda r: writer.write_rank(r, items(r)), sorted(by_rank), nworkers)
     paths = ck.info.get("paths") or {}
     names = {tc.name for tc in plan.chunks} | set(plan.objects)
     writer.commit({n: paths.get(n, (n,)) for n in sorted(names)})
@@ -166,21 +160,28 @@ def commit_output(dst: Store, hashes: dict, *, step: int | None, tags: list[str]
 def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = None,
             world_size: int | None = None, max_memory: int | str = DEFAULT_MAX_MEMORY,
             workers: int = 4, dry_run: bool = False, storage_options: dict | None = None,
-            dst_storage_options: dict | None = None,
+            dst_storage_options: dict | None = None, force: bool = False,
             on_bytes: Callable[[int], None] | None = None) -> ReshardResult:
-    """Reshard ``src`` (any format) into a DCP checkpoint at ``dst`` for the target mesh."""
+    """Reshard ``src`` (any format) into a DCP checkpoint at ``dst`` for the target mesh.
+
+    ``dst`` must be new or empty; ``force`` replaces what it holds."""
     t0 = time.monotonic()
     r = build_rules(mesh=mesh, rules=rules, world_size=world_size)
     ck = open_checkpoint(src, storage_options)
     ck.store.cache_small_files(ck.files)
+    from ..formats.composite import refuse_opaque
+
+    refuse_opaque(ck, verb="reshard", hint="reshard carries every entry: first write the parts "
+                  "it can carry with consolidate --to dcp --only model,optim")
     plan = make_plan(ck, r)
     return _execute(ck, plan, src, dst, dry_run=dry_run, max_memory=parse_size(max_memory),
                     workers=workers, storage_options=dst_storage_options or storage_options,
-                    on_bytes=on_bytes, t0=t0)
+                    on_bytes=on_bytes, t0=t0, force=force, command="reshard")
 
 
 def _execute(ck, plan: Plan, src: str, dst: str, *, dry_run: bool, max_memory: int,
-             workers: int, storage_options, on_bytes, t0, convert_dtype=None) -> ReshardResult:
+             workers: int, storage_options, on_bytes, t0, convert_dtype=None, force=False,
+             command="reshard") -> ReshardResult:
     ranks = plan.rank_summary(ck)
     result = ReshardResult(src, dst, str(plan.mesh), plan.mesh.world_size, dry_run,
                            len(plan.chunks), sum(x["write_bytes"] for x in ranks), 0, 0.0,
@@ -188,11 +189,12 @@ def _execute(ck, plan: Plan, src: str, dst: str, *, dry_run: bool, max_memory: i
     if dry_run:
         result.seconds = round(time.monotonic() - t0, 3)
         return result
-    out = open_store(dst, storage_options)
-    _require_empty(out)
-    writer = write_dcp(ck, plan, out, max_memory=max_memory, workers=workers,
-                       convert_dtype=convert_dtype, on_bytes=on_bytes)
-    result.manifest_id = commit_output(out, writer.hashes, step=ck.step, tags=[])
+    with OutputDir(open_store(dst, storage_options), command=command, force=force,
+                   source=src) as out:
+        writer = write_dcp(ck, plan, out, max_memory=max_memory, workers=workers,
+                           convert_dtype=convert_dtype, on_bytes=on_bytes)
+        out.commit()
+        result.manifest_id = commit_output(out.store, writer.hashes, step=ck.step, tags=[])
     result.files = len(writer.hashes) + 1
     result.bytes_written = sum(n for _, n in writer.hashes.values())
     result.seconds = round(time.monotonic() - t0, 3)

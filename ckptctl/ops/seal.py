@@ -65,7 +65,7 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str = "xxh3-128
                       "files); put the file in its own folder", code="USAGE")
     if MANIFEST in files:
         r = verify(url, storage_options, level="full", workers=workers, on_bytes=on_bytes)
-        if not r.ok:
+        if any(p.severity == "error" for p in r.problems):  # a stray temp file is no reason
             p = _worst(r.problems)
             raise Finding(p.path or url, f"already sealed, but {p.code}: {p.message}"
                           + (f" (+{len(r.problems) - 1} more)" if len(r.problems) > 1 else ""),
@@ -74,12 +74,12 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str = "xxh3-128
         import json
 
         doc = json.loads(doc_bytes)
-        return SealResult(url, "verified", manifest_id(doc_bytes, doc.get("hash", algo)),
+        return SealResult(url, "verified", manifest_id(doc),
                           doc.get("format"), doc.get("step"), doc.get("hash"), len(doc["files"]),
                           sum(f["size"] for f in doc["files"].values()),
                           round(time.monotonic() - t0, 3))
     r = verify(url, storage_options, level="structure", workers=workers)
-    if not r.ok:
+    if any(p.severity == "error" for p in r.problems):  # e.g. what a killed seal left
         p = _worst(r.problems)
         raise Finding(p.path or url, f"refusing to seal: {p.code}: {p.message}"
                       + (f" (+{len(r.problems) - 1} more problems)" if len(r.problems) > 1 else ""),
@@ -119,10 +119,25 @@ def write_manifest(store, ck, hashes: dict[str, tuple[str, int]], *, algo: str,
     doc = build_manifest(ck, hashes, algo=algo, step=step, tags=tags,
                          tool_version=__version__, created=created, summary=summary)
     data = serialize(doc)
-    store.write_atomic(MANIFEST, data, exclusive=True)
-    # Servers that ignore If-None-Match (rclone) let a racing sealer overwrite us: read back.
-    if store.read(MANIFEST) != data:
-        raise Finding(store.display(MANIFEST), "another writer sealed this checkpoint at the "
-                      "same time; its manifest won", code="ALREADY_EXISTS")
-    return manifest_id(data, algo)
+    mid = manifest_id(doc)
+    try:
+        store.write_atomic(MANIFEST, data, exclusive=True)
+    except Finding as e:
+        if e.code != "ALREADY_EXISTS":
+            raise
+    # Another sealer may have committed first, or (servers that ignore If-None-Match, such
+    # as rclone) after us: what is stored must describe these same bytes, or we say so.
+    import json
 
+    def key(d: dict) -> tuple:
+        return manifest_id(d), d.get("step"), sorted(d.get("tags") or [])
+
+    try:
+        stored = key(json.loads(store.read(MANIFEST)))
+    except (ValueError, RecursionError):
+        stored = None
+    if stored != key(doc):
+        raise Finding(store.display(MANIFEST), "another writer sealed this checkpoint at the "
+                      "same time with other content, step or tags; its manifest won",
+                      code="ALREADY_EXISTS")
+    return mid
