@@ -258,7 +258,8 @@ def test_sample_is_deterministic_subset(torch_ckpts, tmp_path):
     seal(str(d))
     a = verify(str(d), level="full", sample=0.4)
     b = verify(str(d), level="full", sample=0.4)
-    assert a.ok and a.files_checked == b.files_checked == 2  # ceil(5 * 0.4)
+    assert a.ok and a.files_read == b.files_read == 2  # ceil(5 * 0.4)
+    assert a.files_checked == 5  # every file is still checked for presence and size
 
 
 def test_verify_exit_3_when_unreadable(tmp_path, cli):

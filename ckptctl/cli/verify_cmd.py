@@ -47,7 +47,8 @@ def verify(
     \b
     quick      commit state, files present at their sizes, stray temp files
     structure  + metadata parses, chunks tile tensors, extents inside files, closure
-    full       + content hashes against the manifest (unsealed: every tensor decoded)
+    full       + every data file read once: content hashes against the manifest; unsealed,
+                 the CRC-32 of every DCP/torch.save zip record (safetensors: decoded only)
     """
     from ..ops import verify as do_verify
 
@@ -64,11 +65,21 @@ def verify(
                         [[p.code, p.severity, (p.path or "") + (f" [{p.entry}]" if p.entry else ""),
                           p.message] for p in r.problems])
         state = "OK" if r.ok else f"{len(r.problems)} problem(s)"
+        proven = f"content: {CONTENT_WORDS.get(r.content, r.content)}; " if r.content else ""
         say(f"{r.url}: {state} ({r.level}; {r.format or 'unknown format'}, "
-            f"{'sealed' if r.sealed else 'not sealed'}; {r.files_checked} files, "
+            f"{'sealed' if r.sealed else 'not sealed'}; {proven}{r.files_checked} files, "
             f"{human_bytes(r.bytes_read)} read in {r.seconds:.2f}s)")
     if not r.ok:
         raise typer.Exit(EXIT_FINDING)
+
+
+#: What a full verify proved, in words.
+CONTENT_WORDS = {
+    "hashes": "hashes (every file against the manifest)",
+    "crc": "crc (every zip record against its CRC-32)",
+    "decoded-only": "decoded-only (the format carries no checksum; seal it to get hashes)",
+    "crc+decoded-only": "crc where the format has it, decoded-only elsewhere",
+}
 
 
 @app.command()
