@@ -133,24 +133,29 @@ def generate(root: Path) -> None:
             path.chmod(0o444)
 
 
-def ensure_cache() -> Path:
-    """The complete cache dir for the current generators, generating it if needed."""
-    key = cache_key()
-    final = CACHE / key
+def ensure_cache(cache: Path = CACHE, key: str | None = None, make=None) -> Path:
+    """The complete cache dir for the current generators, generating it if needed.
+
+    Other fixture plugins pass their own ``cache`` dir (which this prunes of every other
+    key), ``key`` and ``make(tmp_dir)`` (default: this plugin's :func:`generate`).
+    """
+    key = key or cache_key()
+    make = make or generate
+    final = cache / key
     if final.is_dir():  # only ever appears complete (rename is last)
         return final
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / ".lock", "w") as lock:
+    cache.mkdir(parents=True, exist_ok=True)
+    with open(cache / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         if final.is_dir():  # another worker made it while we waited
             return final
-        for stale in CACHE.iterdir():  # old keys, and temp dirs of killed runs
+        for stale in cache.iterdir():  # old keys, and temp dirs of killed runs
             if stale.is_dir():
                 shutil.rmtree(stale, ignore_errors=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=CACHE))
+        tmp = Path(tempfile.mkdtemp(prefix=f"{key}.tmp-", dir=cache))
         tmp.chmod(0o755)
         try:
-            generate(tmp)
+            make(tmp)
             tmp.rename(final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
