@@ -4,7 +4,6 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 DEMO := demo-out
-# pip prints a warning per package for the machine's extra local indexes; keep logs readable.
 PIP := $(BIN)/pip install -q --disable-pip-version-check
 
 .PHONY: venv demo test test-slow bench clean docs docs-check
@@ -13,14 +12,15 @@ venv: $(STAMP)
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(PIP) -e '.[dev]' 2>&1 | grep -v "is ignored: it is neither" || true
-	$(BIN)/python -c "import ckptctl, torch, s3fs, safetensors, moto, hypothesis" 
+	$(PIP) -e '.[dev]'
+	$(BIN)/python -c "import ckptctl, torch, s3fs, safetensors, moto, hypothesis, transformers, accelerate, lightning, peft"
 	touch $(STAMP)
 
 demo: venv
 	@echo "== writing a real checkpoint: torchrun, FSDP2 on 4 CPU ranks (gloo), Adam state"
-	rm -rf $(DEMO) && $(BIN)/python -m torch.distributed.run --standalone --nproc_per_node=4 \
-	    tests/fixtures/write_dcp.py --layout fsdp --out $(DEMO)/tmp 2>&1 | grep -v Warning || true
+	rm -rf $(DEMO) && mkdir -p $(DEMO) && $(BIN)/python -m torch.distributed.run --standalone \
+	    --nproc_per_node=4 tests/fixtures/write_dcp.py --layout fsdp --out $(DEMO)/tmp \
+	    > $(DEMO)/torchrun.log 2>&1 || { cat $(DEMO)/torchrun.log; exit 1; }
 	mkdir -p $(DEMO)/run1 && mv $(DEMO)/tmp/fsdp/step-* $(DEMO)/run1/ && rm -rf $(DEMO)/tmp
 	$(BIN)/ckptctl ls $(DEMO)/run1
 	$(BIN)/ckptctl inspect $(DEMO)/run1/step-20
