@@ -20,7 +20,8 @@ import threading
 from dataclasses import dataclass
 from typing import Iterator
 
-from ..errors import CkptError, NotFoundError, StorageError, UnsafeInputError, UsageError
+from ..errors import (CkptError, NotFoundError, StorageError, UnsafeInputError, UsageError,
+                      shorten)
 
 #: Descriptors a local store keeps open for ranged reads before it recycles them.
 MAX_OPEN_FILES = 256
@@ -803,7 +804,7 @@ def storage_error(shown: str, e: BaseException, *, remote: bool = False,
         return bad(f"I/O error: {text}")
     if isinstance(e, MemoryError):
         return bad("out of memory")
-    detail = str(e).strip().splitlines()[0][:160] if str(e).strip() else ""
+    detail = shorten(_scrub(str(e), secrets), 160)  # scrubbed first: no half a secret
     return bad(f"storage error ({type(e).__name__}{': ' + detail if detail else ''})")
 
 
