@@ -41,6 +41,7 @@ test-slow: venv
 bench: venv
 	$(BIN)/python bench/verify_bench.py
 	$(BIN)/python bench/consolidate_bench.py
+	$(BIN)/python bench/exact_bench.py
 
 docs: venv
 	$(BIN)/python -m ckptctl.cli.docs
