@@ -9,11 +9,104 @@
 """
 from __future__ import annotations
 
+from enum import Enum
+
 EXIT_OK = 0
 EXIT_FINDING = 1
 EXIT_USAGE = 2
 EXIT_OPERATIONAL = 3
 EXIT_INTERRUPTED = 130
+
+#: The exit-code table, written once: the CLI's EXIT STATUS help and the man page use it.
+EXIT_CODES: tuple[tuple[int, str], ...] = (
+    (EXIT_OK, "success (verify: nothing wrong)"),
+    (EXIT_FINDING, "a finding (verify found a problem, seal refused an inconsistent checkpoint)"),
+    (EXIT_USAGE, "usage error"),
+    (EXIT_OPERATIONAL, "operational error (not found, I/O, unreadable or unsupported input)"),
+    (EXIT_INTERRUPTED, "interrupted"),
+)
+
+
+def exit_status_text() -> str:
+    """The exit-code table as the CLI's help shows it (click keeps a ``\\b`` block as is).
+
+    >>> print(exit_status_text().splitlines()[3])
+      1  a finding (verify found a problem, seal refused an inconsistent checkpoint)
+    """
+    rows = [f"  {code:<2} {meaning}" for code, meaning in EXIT_CODES]
+    return "\n".join(["\b", "EXIT STATUS", *rows])
+
+
+class ProblemCode(str, Enum):
+    """The closed vocabulary of problem codes: every ``code`` a :class:`CkptError` carries
+    and every problem ``verify`` reports is a member. A member equals its string, prints as
+    it, and carries a one-line ``doc``; ``verify`` is False for codes only errors carry.
+
+    >>> gap = ProblemCode("CHUNK_GAP")
+    >>> gap == "CHUNK_GAP", f"{gap}", gap.verify, ProblemCode.USAGE.verify
+    (True, 'CHUNK_GAP', True, False)
+    >>> ProblemCode.CHUNK_GAP.doc
+    'chunks leave part of a tensor uncovered'
+    """
+
+    def __new__(cls, value: str, doc: str, verify: bool = True):
+        obj = str.__new__(cls, value)
+        obj._value_ = value
+        obj.doc = doc
+        obj.verify = verify
+        return obj
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    # reported by verify
+    NOT_COMMITTED = ("NOT_COMMITTED", "no manifest and no format commit marker (DCP .metadata): "
+                     "a write never finished")
+    MISSING_FILE = ("MISSING_FILE", "a file the manifest or metadata names is not there")
+    SIZE_MISMATCH = ("SIZE_MISMATCH", "a file's size differs from the manifest, or is too short "
+                     "for its extents")
+    EXTRA_FILE = ("EXTRA_FILE", "a file is present that the manifest does not list")
+    STRAY_TEMP = ("STRAY_TEMP", "a writer's temporary file is left over (.metadata.tmp, "
+                  "*.partial, ...)")
+    ORPHANED_UPLOAD = ("ORPHANED_UPLOAD", "an unfinished S3 multipart upload lies under the "
+                       "checkpoint's prefix")
+    MALFORMED_METADATA = ("MALFORMED_METADATA", "metadata does not parse or is inconsistent")
+    UNSAFE_INPUT = ("UNSAFE_INPUT", "metadata tries to run code or asks for absurd sizes")
+    PATH_ESCAPE = ("PATH_ESCAPE", "a path in the metadata leaves the checkpoint root")
+    CHUNK_GAP = ("CHUNK_GAP", "chunks leave part of a tensor uncovered")
+    CHUNK_OVERLAP = ("CHUNK_OVERLAP", "chunks cover part of a tensor twice")
+    OUT_OF_BOUNDS = ("OUT_OF_BOUNDS", "a chunk lies outside its tensor, or its bytes outside "
+                     "its file")
+    DTYPE_SIZE_MISMATCH = ("DTYPE_SIZE_MISMATCH", "stored bytes differ from dtype x number of "
+                           "elements")
+    MALFORMED_CHUNK = ("MALFORMED_CHUNK", "a chunk's bytes do not decode (DCP zip, zstd stream)")
+    INDEX_MISMATCH = ("INDEX_MISMATCH", "the HF index and the shard files disagree")
+    MISSING_STATE = ("MISSING_STATE", "a required part of the training state is absent "
+                     "(--require)")
+    HASH_MISMATCH = ("HASH_MISMATCH", "a file's content hash differs from the manifest")
+    MANIFEST_MISMATCH = ("MANIFEST_MISMATCH", "the manifest describes another checkpoint than "
+                         "the files hold")
+    NON_FINITE = ("NON_FINITE", "a tensor holds NaN or Inf values (--check-finite)")
+    IO_ERROR = ("IO_ERROR", "a file could not be read")
+    CRC_MISMATCH = ("CRC_MISMATCH", "a zip record's CRC-32 (DCP chunk, torch.save file) differs "
+                    "from the one its writer recorded")
+    # carried by errors only
+    ERROR = ("ERROR", "an error of no more specific kind", False)
+    USAGE = ("USAGE", "a bad flag, layout spec or contradictory options (exit 2)", False)
+    FINDING = ("FINDING", "an op found a problem it was asked to look for (exit 1)", False)
+    UNSUPPORTED_FORMAT = ("UNSUPPORTED_FORMAT", "nothing ckptctl knows matches what is at the "
+                          "place", False)
+    ALREADY_EXISTS = ("ALREADY_EXISTS", "an exclusive write found its target already there",
+                      False)
+    REMOTE_TIMEOUT = ("REMOTE_TIMEOUT", "a remote (S3) request took longer than --timeout",
+                      False)
+    REMOTE_UNREACHABLE = ("REMOTE_UNREACHABLE", "the remote (S3) server cannot be reached",
+                          False)
+    MISSING_DEPENDENCY = ("MISSING_DEPENDENCY", "an optional library the verb or input needs "
+                          "is not installed (pip install 'ckptctl[torch]')", False)
 
 
 def shorten(text: str, limit: int = 120) -> str:
@@ -45,7 +138,7 @@ class CkptError(Exception):
     """
 
     exit_code = EXIT_OPERATIONAL
-    default_code = "ERROR"
+    default_code: str = ProblemCode.ERROR
 
     def __init__(self, path: str | None, message: str, *, code: str | None = None):
         self.path = path
@@ -58,7 +151,7 @@ class UsageError(CkptError):
     """Bad flag, bad layout spec, contradictory options (exit 2)."""
 
     exit_code = EXIT_USAGE
-    default_code = "USAGE"
+    default_code: str = ProblemCode.USAGE
 
     def __init__(self, message: str, path: str | None = None):
         super().__init__(path, message)
@@ -67,32 +160,32 @@ class UsageError(CkptError):
 class NotFoundError(CkptError):
     """A place, file or entry does not exist (exit 3)."""
 
-    default_code = "MISSING_FILE"
+    default_code: str = ProblemCode.MISSING_FILE
 
 
 class StorageError(CkptError):
     """I/O, permission or remote failure (exit 3)."""
 
-    default_code = "IO_ERROR"
+    default_code: str = ProblemCode.IO_ERROR
 
 
 class FormatError(CkptError):
     """A file is not what its format says: truncated, malformed, inconsistent (exit 3)."""
 
-    default_code = "MALFORMED_METADATA"
+    default_code: str = ProblemCode.MALFORMED_METADATA
 
 
 class UnsafeInputError(FormatError):
     """Input that tries to escape the rails: hostile pickle, path traversal,
     absurd sizes (exit 3)."""
 
-    default_code = "UNSAFE_INPUT"
+    default_code: str = ProblemCode.UNSAFE_INPUT
 
 
 class UnsupportedFormatError(CkptError):
     """Nothing ckptctl knows matches what is at the place (exit 3)."""
 
-    default_code = "UNSUPPORTED_FORMAT"
+    default_code: str = ProblemCode.UNSUPPORTED_FORMAT
 
 
 class Finding(CkptError):
@@ -100,4 +193,4 @@ class Finding(CkptError):
     inconsistent checkpoint, a gc rail."""
 
     exit_code = EXIT_FINDING
-    default_code = "FINDING"
+    default_code: str = ProblemCode.FINDING

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import UsageError
+from .parts import classify
 
 REPLICATE = None  # a mesh dim that does not shard: Replicate()
 
@@ -172,8 +173,6 @@ class Rules:
 
     def rule_for(self, name: str) -> Rule | None:
         if self.parts is not None:
-            from .ops.closure import classify
-
             if classify(name) not in self.parts:
                 return None
         for candidate in _candidates(name):

@@ -15,7 +15,7 @@ import textwrap
 
 import pytest
 
-from ckptctl.cli import docs
+import docsgen as docs  # the generator lives beside the tests, outside the package
 
 ROOT = docs.ROOT
 PROG = docs.prog_name()

@@ -12,31 +12,7 @@ from __future__ import annotations
 
 import re
 
-PARTS = ("model", "optim", "lr_scheduler", "rng", "step", "dataloader", "meta")
-
-_RULES = [
-    ("meta", re.compile(r"^(callbacks|loops|hyper_parameters|hparams|hparams_name|hparams_type|"
-                        r"datamodule_hyper_parameters|datamodule_hparams_name|epoch|"
-                        r"pytorch-lightning_version|lightning_version|custom|meta|scaler|"
-                        r"native_amp_scaling_state|amp_scaling_state|trainer_state)(_\d+)?(\.|$)")),
-    ("optim", re.compile(r"^(optim|optimizer|optimizers|opt|optimizer_states?)(_\d+)?(\.|$)|"
-                         r"(^|\.)(exp_avg|exp_avg_sq|param_groups|momentum_buffer)(\.|$)")),
-    ("lr_scheduler", re.compile(r"^(lr_schedulers?|schedulers?|sched)(_\d+)?(\.|$)")),
-    ("rng", re.compile(r"^(rng|rngs|rng_states?|random_states?|torch_rng_state|cuda_rng_state|"
-                       r"numpy_rng_state|python_rng_state|generator)(\.|$)")),
-    ("dataloader", re.compile(r"^(dataloaders?|data_loaders?|sampler|data_state|dataset|"
-                              r"data)(_\d+)?(\.|$)")),
-    ("step", re.compile(r"^((train_state|trainer|state)\.)?(step|global_step|iteration|"
-                        r"iter|steps|consumed_samples)$")),
-]
-
-
-def classify(name: str) -> str:
-    """The part of the training state an entry belongs to (``model`` by default)."""
-    for part, pat in _RULES:
-        if pat.search(name):
-            return part
-    return "model"
+from ..parts import PARTS, classify  # noqa: F401 - re-exported: ops name parts here
 
 
 #: Tensors that models register as buffers, not parameters (BatchNorm statistics, position

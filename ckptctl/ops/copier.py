@@ -1,20 +1,35 @@
-"""Move the bytes a :class:`~ckptctl.ops.plan.Plan` describes, in row blocks, so memory
-stays bounded whatever the tensor sizes.
+"""The copier: move the bytes a :class:`~ckptctl.ops.planner.Plan` describes, in row
+blocks, so memory stays bounded whatever the tensor sizes. It decides nothing.
+
+:func:`copy_to_dcp` is the one executor reshard and ``consolidate --to dcp`` call: the
+plan's chunks into a new DCP checkpoint, data files first, ``.metadata`` next, the
+manifest last. consolidate's safetensors and torch.save writers use the same
+:class:`BlockStream` and :func:`commit_output`.
 
 >>> list(row_ranges(10, row_bytes=100, budget=350))
 [(0, 3), (3, 6), (6, 9), (9, 10)]
+>>> r = copy_to_dcp(ck, plan, "out/", max_memory=1 << 30, workers=4)   # doctest: +SKIP
+>>> r.files, r.bytes_written                                            # doctest: +SKIP
+(['.metadata', '__0_0.distcp', '__1_0.distcp', 'ckptctl.manifest.json'], 4194816)
 """
 from __future__ import annotations
 
+import io
 import queue
 import threading
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
+from ..errors import FormatError
+from ..formats.dcp_write import DcpWriter
+from ..formats.detect import open_checkpoint
 from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows, read_rows_into
 from ..model import Checkpoint
-from .plan import TargetChunk
+from ..storage import Store, open_store
+from .output import OutputDir
+from .planner import Plan, TargetChunk
 
 Converter = Callable[[memoryview], bytes]
 
@@ -214,3 +229,106 @@ def dtype_converter(src: str, dst: str) -> Converter | None:
         return torch.frombuffer(bytearray(block), dtype=s).to(d).view(torch.uint8).numpy().tobytes()
 
     return convert
+
+
+# --------------------------------------------------------------------------- executor
+
+
+def object_payload(ck: Checkpoint, name: str) -> bytes:
+    """A DCP bytes entry for object ``name``: the source's own torch.save zip when it is
+    DCP (decompressed), else ``torch.save`` of the value (already loaded safely)."""
+    o = ck.objects[name]
+    if o.extent is not None and o.extent.encoding in ("torch_zip", "torch_zip+zstd"):
+        from ..formats.tensorio import decompress_bounded
+
+        ext = o.extent
+        blob = ck.store.read_range(ext.file, ext.offset, ext.offset + ext.length)
+        if len(blob) != o.extent.length:
+            raise FormatError(ck.store.display(o.extent.file), f"{name}: truncated")
+        if o.extent.encoding == "torch_zip+zstd":
+            blob = decompress_bounded(blob, ck.store.display(o.extent.file), 1 << 30)
+        return blob
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(o.value, buf)
+    return buf.getvalue()
+
+
+def write_dcp(ck: Checkpoint, plan: Plan, out: OutputDir, *, max_memory: int, workers: int,
+              convert_dtype: str | None = None,
+              on_bytes: Callable[[int], None] | None = None) -> DcpWriter:
+    """Execute ``plan`` into a DCP checkpoint in ``out`` (data files, then ``.metadata``);
+    ``out`` is neither committed nor sealed (see :func:`copy_to_dcp`)."""
+    by_rank = {r: cs for r, cs in plan.by_rank().items() if cs or r == 0}
+    nworkers = max(1, min(workers, len(by_rank)))
+    writer = DcpWriter(out.store, on_bytes=on_bytes, sink=out)
+
+    def converts(tc) -> bool:
+        return bool(convert_dtype and tc.dtype.kind == "float" and tc.dtype.name != convert_dtype)
+
+    def items(rank):
+        stream = BlockStream(ck, by_rank[rank], depth=stream_depth(max_memory, nworkers),
+                             convert_for=lambda tc: dtype_converter(tc.dtype.name, convert_dtype)
+                             if converts(tc) else None)
+        for tc in by_rank[rank]:
+            dtype = convert_dtype if converts(tc) else tc.dtype.name
+            shape = ck.tensors[tc.name].shape
+            yield ("tensor", tc.name, dtype, shape, tc.offsets, tc.sizes, stream.blocks(tc.name))
+        if rank == 0:
+            for name in plan.objects:
+                yield ("object", name, object_payload(ck, name))
+
+    out.map(lambda r: writer.write_rank(r, items(r)), sorted(by_rank), nworkers)
+    paths = ck.info.get("paths") or {}
+    names = {tc.name for tc in plan.chunks} | set(plan.objects)
+    writer.commit({n: paths.get(n, (n,)) for n in sorted(names)})
+    return writer
+
+
+def commit_output(dst: Store, hashes: dict, *, step: int | None, tags: list[str]) -> str:
+    """Seal a freshly written checkpoint from the hashes its writer computed; its id."""
+    from .seal import write_manifest
+
+    out = open_checkpoint(dst.url, None, read_step=False, located=(dst, dst.list_files(), None))
+    return write_manifest(dst, out, hashes, algo="xxh3-128", step=step, tags=tags)
+
+
+@dataclass(frozen=True)
+class Copied:
+    """What :func:`copy_to_dcp` wrote: each file's (digest, size), the manifest aside."""
+
+    hashes: Mapping[str, tuple[str, int]]
+    manifest_id: str
+
+    @property
+    def files(self) -> list[str]:
+        """Every file written, the manifest included."""
+        from ..formats.manifest import MANIFEST
+
+        return sorted([*self.hashes, MANIFEST])
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of data and metadata written (the manifest aside)."""
+        return sum(n for _, n in self.hashes.values())
+
+
+def copy_to_dcp(ck: Checkpoint, plan: Plan, dst: str, *, max_memory: int, workers: int,
+                storage_options: dict | None = None, convert_dtype: str | None = None,
+                force: bool = False, command: str = "reshard", source: str | None = None,
+                on_bytes: Callable[[int], None] | None = None) -> Copied:
+    """Execute ``plan`` over ``ck`` into a new DCP checkpoint at ``dst``: data files, then
+    ``.metadata``, then the manifest (sealed from the hashes computed while writing).
+
+    ``dst`` must be new or empty; ``force`` replaces what it holds. ``convert_dtype``
+    (``bfloat16``...) converts floating tensors on the way. Memory stays within about
+    ``max_memory`` bytes whatever the tensor sizes; ``workers`` ranks are written at once.
+    """
+    with OutputDir(open_store(dst, storage_options), command=command, force=force,
+                   source=source) as out:
+        writer = write_dcp(ck, plan, out, max_memory=max_memory, workers=workers,
+                           convert_dtype=convert_dtype, on_bytes=on_bytes)
+        out.commit()
+        mid = commit_output(out.store, writer.hashes, step=ck.step, tags=[])
+    return Copied(dict(writer.hashes), mid)

@@ -2,21 +2,28 @@
 
 The planner decides *what* (target chunks per rank, placements); the copier
 (:mod:`ckptctl.ops.copier`) decides nothing and only moves bytes. They meet only through
-the frozen dataclasses here.
+the frozen dataclasses here. Boxes are cut with :func:`ckptctl.boxes.intersect`.
 
 >>> from ckptctl.model import Checkpoint, TensorEntry, Chunk, Extent, DTYPES
 >>> from ckptctl.layout import parse_mesh, preset
->>> src = Checkpoint("x", "dcp", tensors={"model.w": TensorEntry("model.w", DTYPES["float32"], (4, 2), [
-...     Chunk((0, 0), (2, 2), Extent("__0_0.distcp", 0, 1)), Chunk((2, 0), (2, 2), Extent("__1_0.distcp", 0, 1))])})
+>>> halves = [Chunk((0, 0), (2, 2), Extent("__0_0.distcp", 0, 1)),
+...           Chunk((2, 0), (2, 2), Extent("__1_0.distcp", 0, 1))]
+>>> src = Checkpoint("x", "dcp", tensors={
+...     "model.w": TensorEntry("model.w", DTYPES["float32"], (4, 2), halves)})
 >>> p = make_plan(src, preset("fsdp", parse_mesh("dp=4")))
 >>> [(c.rank, c.offsets, c.sizes, len(c.pieces)) for c in p.chunks]
 [(0, (0, 0), (1, 2), 1), (1, (1, 0), (1, 2), 1), (2, (2, 0), (1, 2), 1), (3, (3, 0), (1, 2), 1)]
+>>> p.placements["model.w"]
+'dp:Shard(0)'
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Mapping
 
-from ..errors import FormatError
+from ..boxes import intersect, numel, relative
+from ..errors import FormatError, ProblemCode
 from ..layout import Mesh, Placement, Rules, local_box
 from ..model import Checkpoint, Chunk, DType, TensorEntry
 
@@ -42,18 +49,18 @@ class TargetChunk:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.sizes:
-            n *= s
-        return self.dtype.nbytes(n)
+        return self.dtype.nbytes(numel((self.offsets, self.sizes)))
 
 
-@dataclass
+@dataclass(frozen=True)
 class Plan:
+    """What a reshard or consolidation writes: every target chunk (in write order), each
+    tensor's placement, and the object entries carried over (on rank 0). Immutable."""
+
     mesh: Mesh
-    chunks: list[TargetChunk]
-    placements: dict[str, str] = field(default_factory=dict)
-    objects: list[str] = field(default_factory=list)  # carried over, on rank 0
+    chunks: tuple[TargetChunk, ...]
+    placements: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    objects: tuple[str, ...] = ()
 
     def by_rank(self) -> dict[int, list[TargetChunk]]:
         out: dict[int, list[TargetChunk]] = {r: [] for r in range(self.mesh.world_size)}
@@ -68,48 +75,33 @@ class Plan:
             read: dict[str, int] = {}
             for c in chunks:
                 for p in c.pieces:
-                    n = 1
-                    for s in p.sizes:
-                        n *= s
-                    read[p.src.extent.file] = read.get(p.src.extent.file, 0) + c.dtype.nbytes(n)
+                    read[p.src.extent.file] = (read.get(p.src.extent.file, 0)
+                                               + c.dtype.nbytes(numel((p.dst_offsets, p.sizes))))
             rows.append({"rank": rank, "chunks": len(chunks),
                          "write_bytes": sum(c.nbytes for c in chunks),
                          "read_bytes": sum(read.values()), "read_files": sorted(read)})
         return rows
 
 
-def _intersect(a_off, a_size, b_off, b_size):
-    lo = tuple(max(x, y) for x, y in zip(a_off, b_off))
-    hi = tuple(min(x + s, y + t) for x, s, y, t in zip(a_off, a_size, b_off, b_size))
-    if any(h <= l for l, h in zip(lo, hi)):
-        return None
-    return lo, tuple(h - l for l, h in zip(lo, hi))
-
-
 def pieces_for(t: TensorEntry, offsets, sizes) -> tuple[Piece, ...]:
     """The pieces of ``t``'s source chunks that cover the box ``offsets``/``sizes``."""
     if not sizes:  # 0-dim: the one chunk
         return (Piece(t.chunks[0], (), (), ()),) if t.chunks else ()
+    box = (tuple(offsets), tuple(sizes))
     out = []
     covered = 0
     for c in t.chunks:
-        hit = _intersect(offsets, sizes, c.offsets, c.sizes)
+        hit = intersect(box, (c.offsets, c.sizes))
         if hit is None:
             continue
-        lo, sz = hit
-        out.append(Piece(c, tuple(l - o for l, o in zip(lo, c.offsets)),
-                         tuple(l - o for l, o in zip(lo, offsets)), sz))
-        n = 1
-        for s in sz:
-            n *= s
-        covered += n
-    want = 1
-    for s in sizes:
-        want *= s
+        out.append(Piece(c, relative(hit, c.offsets), relative(hit, box[0]), hit[1]))
+        covered += numel(hit)
+    want = numel(box)
     if covered != want:
         raise FormatError(t.name, f"source chunks cover {covered} of the {want} elements "
                           f"of box {list(offsets)}+{list(sizes)}: run verify --level structure",
-                          code="CHUNK_GAP" if covered < want else "CHUNK_OVERLAP")
+                          code=ProblemCode.CHUNK_GAP if covered < want
+                          else ProblemCode.CHUNK_OVERLAP)
     return tuple(out)
 
 
@@ -124,8 +116,7 @@ def make_plan(ck: Checkpoint, rules: Rules, *, only: set[str] | None = None) -> 
     for name, t in ck.tensors.items():
         if only is None or name in only:
             placed[name] = rules.placement_for(name, t.shape)
-    plan = Plan(mesh, [], {n: p.describe(mesh) for n, p in placed.items()},
-                sorted(n for n in ck.objects if only is None or n in only))
+    chunks: list[TargetChunk] = []
     for name, p in placed.items():
         t = ck.tensors[name]
         seen: set[tuple] = set()
@@ -137,13 +128,13 @@ def make_plan(ck: Checkpoint, rules: Rules, *, only: set[str] | None = None) -> 
             empty = any(s == 0 for s in sizes)
             if empty and t.numel:
                 continue  # ranks left with nothing of this tensor hold no chunk
-            plan.chunks.append(TargetChunk(name, t.dtype, rank, offs, sizes,
-                                           () if empty else pieces_for(t, offs, sizes)))
-    return plan
+            chunks.append(TargetChunk(name, t.dtype, rank, offs, sizes,
+                                      () if empty else pieces_for(t, offs, sizes)))
+    return Plan(mesh, tuple(chunks),
+                MappingProxyType({n: p.describe(mesh) for n, p in placed.items()}),
+                tuple(sorted(n for n in ck.objects if only is None or n in only)))
 
 
 def consolidation_plan(ck: Checkpoint, *, only: set[str] | None = None) -> Plan:
     """One whole chunk per tensor, on rank 0: what consolidate writes."""
-    from ..layout import Mesh, Rules
-
     return make_plan(ck, Rules(Mesh(("world",), (1,)), []), only=only)
