@@ -3,7 +3,8 @@
 which torch cannot map) and flattened to dotted names the way DCP flattens a state dict
 (``optim.param_groups.0.lr``).
 
-This is the one reader that imports torch; it does so only when called.
+This is the one reader that imports torch; it does so only when called, through
+:func:`ckptctl._deps.require_torch` (without torch: one line with the install hint, exit 3).
 
 >>> flatten({"a": {"b": 1, "c": [2, 3], "d": [{"e": 4}]}})
 {'a.b': 1, 'a.c': [2, 3], 'a.d.0.e': 4}
@@ -83,9 +84,10 @@ def load_torch_file(store: Store, rel: str):
     (the legacy non-zip format cannot be mapped: it is read into memory)."""
     import pickle
 
-    import torch
+    from .._deps import require_torch
 
     where = store.display(rel)
+    torch = require_torch(where)
     path = store.local_path(rel)
     tmp = None
     try:
@@ -132,9 +134,10 @@ def add_torch_file(ck: Checkpoint, store: Store, rel: str, size: int, prefix: st
     are recorded in ``ck.info["aliases"]`` (alias -> the first name), so tied weights
     count once.
     """
-    import torch
+    from .._deps import require_torch
 
     where = store.display(rel)
+    torch = require_torch(where)
     obj = load_torch_file(store, rel)
     flat = flatten(obj, where=where)
     head = tuple(prefix.rstrip(".").split(".")) if prefix else ()

@@ -18,13 +18,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .. import __version__
-from ..errors import Finding
+from .._deps import MissingDependencyError
+from ..errors import CkptError, Finding, StorageError, UsageError
 from ..formats.detect import locate, open_checkpoint
 from ..formats.manifest import (MANIFEST, build_manifest, is_temp_name, logical_digest,
                                 manifest_id, serialize)
-from ..storage import hash_file, normalize_algo
+from ..storage import digest_bytes, hash_file, normalize_algo
 from .inspect import summarize
 from .verify import Problem, verify
+
+
+#: Remote files up to this size are hashed from the one whole-file GET the store caches
+#: (the default ``max_file`` of :meth:`~ckptctl.storage.Store.cache_small_files`).
+SMALL_FILE = 16 << 20
 
 
 @dataclass
@@ -35,7 +41,7 @@ class SealResult:
     format: str
     step: int | None
     hash: str
-    files: int
+    num_files: int
     bytes: int
     seconds: float
     problems: list[Problem] = field(default_factory=list)
@@ -61,10 +67,15 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str = "xxh3-128
     located = locate(url, storage_options)
     store, files, single = located
     if single:
-        raise Finding(url, "seal takes a checkpoint folder (the manifest lives beside the "
-                      "files); put the file in its own folder", code="USAGE")
+        raise UsageError("seal takes a checkpoint folder (the manifest lives beside the "
+                         "files); put the file in its own folder", url)
+    # Listed once, opened once: the listing and the checkpoint are passed on, and small
+    # remote files (.metadata, the manifest, small chunks) are fetched once and shared by
+    # the metadata reader, verify and the hashes (S3: one LIST, one GET of .metadata).
+    store.cache_small_files(files)
     if MANIFEST in files:
-        r = verify(url, storage_options, level="full", workers=workers, on_bytes=on_bytes)
+        r = verify(url, storage_options, level="full", workers=workers, on_bytes=on_bytes,
+                   located=located, uploads=False)
         if any(p.severity == "error" for p in r.problems):  # a stray temp file is no reason
             p = _worst(r.problems)
             raise Finding(p.path or url, f"already sealed, but {p.code}: {p.message}"
@@ -78,18 +89,29 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str = "xxh3-128
                           doc.get("format"), doc.get("step"), doc.get("hash"), len(doc["files"]),
                           sum(f["size"] for f in doc["files"].values()),
                           round(time.monotonic() - t0, 3))
-    r = verify(url, storage_options, level="structure", workers=workers)
+    try:
+        ck = open_checkpoint(url, storage_options, strict=False, located=located)
+    except (StorageError, MissingDependencyError):
+        raise
+    except CkptError:
+        ck = None  # verify opens it again and reports what is wrong as a finding
+    r = verify(url, storage_options, level="structure", workers=workers, located=located,
+               checkpoint=ck, uploads=False)
     if any(p.severity == "error" for p in r.problems):  # e.g. what a killed seal left
         p = _worst(r.problems)
         raise Finding(p.path or url, f"refusing to seal: {p.code}: {p.message}"
                       + (f" (+{len(r.problems) - 1} more problems)" if len(r.problems) > 1 else ""),
                       code=p.code)
-    ck = open_checkpoint(url, storage_options, located=located)
     if step is None:
         step = ck.step
     names = sorted(rel for rel in files if rel != MANIFEST and not is_temp_name(rel))
 
     def one(rel):
+        if not store.is_local and files[rel] <= SMALL_FILE:  # already fetched: no new GET
+            data = store.read(rel)
+            if on_bytes:
+                on_bytes(len(data))
+            return rel, (digest_bytes(data, algo), len(data))
         return rel, hash_file(store, rel, algo, on_bytes)
 
     with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:

@@ -4,15 +4,19 @@
 * ``complete``: the format's own commit marker is there and parses (DCP ``.metadata``,
   safetensors headers, HF index), every data file it names is present and long enough;
 * ``incomplete``: the commit marker or a data file is missing (a write in progress, a crash);
-* ``corrupt``: something is there but wrong (unparsable metadata, wrong sizes).
+* ``corrupt``: something is there but wrong (unparsable metadata, wrong sizes);
+* ``unknown``: it cannot be read here (a torch.save file without torch installed).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .._deps import MissingDependencyError
+from ..formats.manifest import MANIFEST
 from .verify import verify
 
 SEALED, COMPLETE, INCOMPLETE, CORRUPT = "sealed", "complete", "incomplete", "corrupt"
+UNKNOWN = "unknown"
 _INCOMPLETE_CODES = {"NOT_COMMITTED", "MISSING_FILE"}
 
 
@@ -24,13 +28,23 @@ class StateReport:
     step: int | None
 
 
-def checkpoint_state(url: str, storage_options: dict | None = None) -> StateReport:
+def checkpoint_state(url: str, storage_options: dict | None = None, *,
+                     located: tuple | None = None) -> StateReport:
     """Classify the checkpoint at ``url`` from its metadata (no tensor data is read).
+
+    ``located``: the checkpoint's files from a listing the caller already has (``ls``
+    lists a whole root once), as :func:`~ckptctl.formats.detect.locate` returns them;
+    then nothing is listed again.
 
     >>> checkpoint_state("ckpt/step-100").state             # doctest: +SKIP
     'complete'
     """
-    r = verify(url, storage_options, level="quick")
+    if located is not None and MANIFEST in located[1]:  # read by verify and the reader: once
+        located[0].cache_small_files({MANIFEST: located[1][MANIFEST]})
+    try:
+        r = verify(url, storage_options, level="quick", located=located, uploads=False)
+    except MissingDependencyError as e:  # not a verdict on the checkpoint: say what it needs
+        return StateReport(UNKNOWN, e.message, None, None)
     errors = [p for p in r.problems if p.severity == "error"]
     if not errors:
         return StateReport(SEALED if r.sealed else COMPLETE,

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import os
 import posixpath
+import re
 import threading
 from dataclasses import dataclass
 from typing import Iterator
@@ -85,6 +86,8 @@ def split_url(url: str) -> tuple[str, str]:
         proto = proto.lower()
         if proto == "file":
             return "file", os.path.abspath(rest or "/")
+        if proto in ("s3", "s3a", "gs", "gcs", "az", "abfs") and (not rest or rest[0] == "/"):
+            raise UsageError(f"no bucket in the URL (expected {proto}://BUCKET/PREFIX)", url)
         return proto, rest.rstrip("/")
     return "file", os.path.abspath(url)
 
@@ -246,9 +249,16 @@ class Store:
                           budget: int = 256 << 20) -> None:
         """Serve ranged reads of small remote files from one whole-file GET each (LRU,
         ``budget`` bytes at most): a DCP checkpoint of many small chunks then costs one
-        request per file, not several per chunk. No effect on local stores."""
-        if not self.is_local:
+        request per file, not several per chunk; whole reads (:meth:`read`) share it. A
+        second call keeps what is cached (one opened checkpoint passed on: seal, ls). No
+        effect on local stores."""
+        if self.is_local:
+            return
+        if self._small is None:
             self._small = SmallFileCache(sizes, max_file, budget)
+        else:
+            with self._small.lock:
+                self._small.sizes.update(sizes)
 
     # ---------------------------------------------------------------- paths
     @property
@@ -330,7 +340,7 @@ class Store:
         if end <= start:
             return b""
         if self._small is not None and self._small.wants(rel):
-            return self._small.get(rel, lambda: self.read(rel))[start:end]
+            return self._small.get(rel, lambda: self._read_whole(rel))[start:end]
         with self._errors(rel):
             if self.is_local:  # pread on a kept descriptor: no open/seek/close per chunk
                 data = os.pread(self._fd(rel), end - start, start)
@@ -374,6 +384,13 @@ class Store:
                 self._fds[rel] = fd
             return fd
 
+    def _uncache(self, rel: str) -> None:
+        """A file about to change is no longer served from the small-file cache."""
+        if self._small is not None:
+            with self._small.lock:
+                self._small.sizes.pop(rel, None)
+                self._small.data.pop(rel, None)
+
     def _forget(self, rel: str) -> None:
         with self._lock:
             fd = self._fds.pop(rel, None)
@@ -394,7 +411,12 @@ class Store:
             pass
 
     def read(self, rel: str) -> bytes:
-        """A whole (small) file."""
+        """A whole (small) file; from the small-file cache when it is on and holds it."""
+        if self._small is not None and self._small.wants(rel):
+            return self._small.get(rel, lambda: self._read_whole(rel))
+        return self._read_whole(rel)
+
+    def _read_whole(self, rel: str) -> bytes:
         with self._errors(rel):
             data = self.fs.cat_file(self.full(rel))
         with self._lock:
@@ -410,6 +432,8 @@ class Store:
         ``with`` block by an exception abandons a remote write (the upload is aborted, no
         partial object appears) instead of completing it.
         """
+        if "w" in mode or "x" in mode:
+            self._uncache(rel)
         with self._errors(rel):
             full = self.full(rel)
             if self.is_local and ("w" in mode or "x" in mode):
@@ -476,6 +500,7 @@ class Store:
         read-back check of the caller).
         """
         full = self.full(rel)
+        self._uncache(rel)
         if self.is_local:
             self._forget(rel)
             self._write_atomic_local(rel, full, data, exclusive)
@@ -525,6 +550,7 @@ class Store:
 
     def remove(self, rel: str) -> None:
         """Delete one file (missing is fine)."""
+        self._uncache(rel)
         if self.is_local:
             self._forget(rel)
         with self._errors(rel):
@@ -804,6 +830,11 @@ def storage_error(shown: str, e: BaseException, *, remote: bool = False,
         return bad(f"I/O error: {text}")
     if isinstance(e, MemoryError):
         return bad("out of memory")
+    for x in chain:  # s3fs hands unknown -o KEY=VALUE to its session at the first request
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(x))
+        if isinstance(x, TypeError) and unknown:
+            return UsageError(f"unknown storage option {unknown.group(1)!r} (S3: endpoint_url, "
+                              "key, secret, token, profile, client_kwargs...)", shown)
     detail = shorten(_scrub(str(e), secrets), 160)  # scrubbed first: no half a secret
     return bad(f"storage error ({type(e).__name__}{': ' + detail if detail else ''})")
 
