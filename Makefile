@@ -44,10 +44,10 @@ bench: venv
 	$(BIN)/python bench/exact_bench.py
 
 docs: venv
-	$(BIN)/python -m ckptctl.cli.docs
+	$(BIN)/python tests/docsgen.py
 
 docs-check: venv
-	$(BIN)/python -m ckptctl.cli.docs --check
+	$(BIN)/python tests/docsgen.py --check
 
 clean:
 	rm -rf $(VENV) $(DEMO) tests/.cache

@@ -218,6 +218,16 @@ def layout_summary(ckpt: Checkpoint) -> LayoutSummary:
     ...     Chunk((2,), (2,), Extent("__1_0.distcp", 0, 8))])})
     >>> s = layout_summary(ck); (s.world_size, s.sharded_tensors, s.mesh_guess)
     (2, 1, 'dp=2')
+
+    The mesh guess reads the split patterns: a tensor split on two dims (FSDP on dim 0,
+    row-wise tensor parallel on dim 1) names a 2-D mesh ``dp=A,tp=B``; a 1-D split on
+    dim 1 anywhere names tensor parallel ``tp=N``; else ``dp=N`` (FSDP shards dim 0).
+
+    >>> def box(r, c, f): return Chunk((r, c), (2, 2), Extent(f"__{f}_0.distcp", 0, 16))
+    >>> ck.tensors["v"] = TensorEntry("v", DTYPES["float32"], (4, 4), [
+    ...     box(0, 0, 0), box(0, 2, 1), box(2, 0, 2), box(2, 2, 3)])
+    >>> layout_summary(ck).mesh_guess
+    'dp=2,tp=2'
     """
     files: set[str] = set()
     sharded = replicated = max_chunks = 0
@@ -235,14 +245,23 @@ def layout_summary(ckpt: Checkpoint) -> LayoutSummary:
             dims[f"dim {d}"] = dims.get(f"dim {d}", 0) + 1
         counts = tuple(len({c.offsets[d] for c in t.chunks}) for d in sd)
         splits[counts] = splits.get(counts, 0) + 1
-    mesh = None
-    if splits:
-        # The most common split pattern among sharded tensors, e.g. (4,) -> dp=4, (2, 2) -> 2x2.
-        common = max(splits.items(), key=lambda kv: kv[1])[0]
-        total = math.prod(common)
-        if len(common) == 1:
-            mesh = f"dp={total}" if total == len(files) else f"{total}-way"
-        else:
-            mesh = "x".join(str(c) for c in common)
     return LayoutSummary(len(files), sharded, replicated, dict(sorted(dims.items())),
-                         max_chunks, mesh)
+                         max_chunks, _mesh_guess(splits, dims, len(files)))
+
+
+def _mesh_guess(splits: dict[tuple[int, ...], int], dims: dict[str, int],
+                nfiles: int) -> str | None:
+    """Name the mesh from the split patterns (counts of distinct offsets per sharded dim)."""
+    if not splits:
+        return None
+    two = {k: v for k, v in splits.items() if len(k) == 2}
+    if two:  # FSDP splits dim 0 over dp, row-wise TP dim 1 over tp (DeviceMesh order)
+        dp, tp = max(two.items(), key=lambda kv: kv[1])[0]
+        return f"dp={dp},tp={tp}"
+    common = max(splits.items(), key=lambda kv: kv[1])[0]
+    total = math.prod(common)
+    if len(common) > 1:
+        return "x".join(str(c) for c in common)
+    if total != nfiles:
+        return f"{total}-way"
+    return f"tp={total}" if any(d != "dim 0" for d in dims) else f"dp={total}"

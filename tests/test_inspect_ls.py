@@ -17,7 +17,7 @@ def test_inspect_json_fields(torch_ckpts, cli):
     code, out, err = cli("inspect", str(torch_ckpts["fsdp"]), "--json")
     assert code == 0, err
     doc = json.loads(out)
-    for k in ("format", "step", "total_bytes", "num_files", "num_tensors", "num_objects",
+    for k in ("format", "step", "bytes", "num_files", "num_tensors", "num_objects",
               "num_params", "closure", "tensors"):
         assert k in doc
     assert doc["format"] == "dcp" and doc["step"] == 20
@@ -145,7 +145,7 @@ def _check_ls(doc):
     print([c["reason"] for c in doc["checkpoints"]])
     assert rows == [("hf/checkpoint-5", 5, "hf-safetensors", "complete"),
                     ("step-7.pt", 7, "torch", "complete"),
-                    ("step-10", 10, "dcp", "complete"),
+                    ("step-10", 20, "dcp", "complete"),  # its step entry wins
                     ("step-20", 20, "dcp", "complete"),
                     ("step-30", 30, "dcp", "incomplete")], rows
     assert all(c["bytes"] > 0 for c in doc["checkpoints"])
@@ -174,3 +174,73 @@ def test_ls_s3(tmp_path, torch_ckpts, s3_bucket, cli):
 def test_ls_empty(tmp_path, cli):
     code, out, _ = cli("ls", str(tmp_path))
     assert code == 0 and "no checkpoints" in out
+
+
+# ------------------------------------------------- numbers that agree (issue 8, item 3)
+
+
+def _steps(cli, root, url) -> tuple:
+    """(ls's step for ``url``, inspect's, verify's) through the CLI's JSON."""
+    code, out, err = cli("ls", str(root), "--json")
+    assert code == 0, err
+    by_url = {c["url"]: c["step"] for c in json.loads(out)["checkpoints"]}
+    steps = [by_url[str(url)]]
+    for verb in ("inspect", "verify"):
+        code, out, err = cli(verb, str(url), "--json")
+        assert code == 0, err
+        steps.append(json.loads(out)["step"])
+    return tuple(steps)
+
+
+def test_ls_inspect_and_verify_report_the_same_step(tmp_path, torch_ckpts, cli):
+    import torch
+
+    root = tmp_path / "run"
+    root.mkdir()
+    w = {"w": torch.arange(4, dtype=torch.float32)}
+    cases = {  # file or folder -> the step all three must say
+        copy_ckpt(torch_ckpts["tp"], root / "step-10"): 20,  # the entry wins over the name
+        root / "epoch=0-step=2.ckpt": 2,  # Lightning: the global_step key
+        root / "epoch=1-step=9.ckpt": 3,  # ... wins over the name
+        root / "step-9.pt": 5,  # torch.save's global_step entry
+        copy_ckpt(torch_ckpts.nested_pt, root / "epoch=4-step=33.ckpt"): 33,  # name only
+    }
+    torch.save({"state_dict": w, "global_step": 2, "epoch": 0}, root / "epoch=0-step=2.ckpt")
+    torch.save({"state_dict": w, "global_step": 3, "epoch": 1}, root / "epoch=1-step=9.ckpt")
+    torch.save({"model": w, "global_step": 5}, root / "step-9.pt")
+    for url, want in cases.items():
+        assert _steps(cli, root, url) == (want, want, want), url
+
+
+@pytest.mark.parametrize("layout,mesh", [("fsdp", "dp=4"), ("tp", "tp=4"), ("2d", "dp=2,tp=2")])
+def test_layout_names_the_mesh(torch_ckpts, cli, layout, mesh):
+    code, out, err = cli("inspect", str(torch_ckpts[layout]), "--json")
+    assert code == 0, err
+    assert json.loads(out)["layout"]["mesh_guess"] == mesh
+    code, out, err = cli("inspect", str(torch_ckpts[layout]))
+    (line,) = [x for x in out.splitlines() if x.strip().startswith("layout")]
+    assert line.endswith(f"mesh guess {mesh}"), line
+
+
+def test_plurals_in_human_output(tmp_path, cli):
+    import re
+
+    import torch
+    from safetensors.torch import save_file
+
+    d = tmp_path / "one"
+    d.mkdir()
+    save_file({"w": torch.ones(3)}, str(d / "model.safetensors"))
+    outs = []
+    for args in (("inspect", str(d)), ("verify", str(d)), ("seal", str(d)),
+                 ("consolidate", str(d), str(tmp_path / "c"), "--to", "torch")):
+        code, out, err = cli(*args)
+        assert code == 0, err
+        outs.append(out)
+    text = "".join(outs)
+    assert "in 1 file;" in outs[0] and "1 tensor (" in outs[0] and "0 objects" in outs[0]
+    assert "float32 1 tensor " in outs[0] and "1 data file," in outs[0]
+    assert "1 file," in outs[1] and "1 file," in outs[2] and "1 tensor," in outs[3]
+    assert not re.search(r"\b1 (files|tensors|objects|ranks|chunks|problems|data files)\b",
+                         text), text
+    assert "(s)" not in text

@@ -128,7 +128,7 @@ def test_reshard_s3_to_s3(torch_ckpts, torch_reference, s3_bucket, tmp_path):
     assert r.manifest_id and verify(s3_bucket.url("dst/step-20"), opts, level="full").ok
     c = consolidate(s3_bucket.url("dst/step-20"), str(tmp_path / "local"), to="torch",
                     storage_options=opts, dst_storage_options={})
-    assert c.tensors == 157
+    assert c.num_tensors == 157
     assert _same(_flat(torch_reference["2d"]), _flat(tmp_path / "local" / "model.pt")) == []
 
 
@@ -165,7 +165,7 @@ def test_reshard_from_broken_source_leaves_nothing_committed(torch_ckpts, tmp_pa
 
 def test_row_blocks_bound_memory(torch_ckpts):
     from ckptctl.ops.copier import chunk_blocks
-    from ckptctl.ops.plan import consolidation_plan
+    from ckptctl.ops.planner import consolidation_plan
 
     ck = open_checkpoint(str(torch_ckpts["tp"]))
     plan = consolidation_plan(ck, only={"model.tok_embeddings.weight"})

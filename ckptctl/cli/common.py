@@ -2,6 +2,8 @@
 
 >>> human_bytes(1536), human_bytes(3 * 2**30)
 ('1.5 KiB', '3.0 GiB')
+>>> plural(1, "tensor"), plural(2, "file"), plural(0, "entry", "entries")
+('1 tensor', '2 files', '0 entries')
 """
 from __future__ import annotations
 
@@ -55,8 +57,34 @@ def console():
     return Console(highlight=False, soft_wrap=False)
 
 
-def emit_json(doc) -> None:
+#: Version of every ``--json`` document (README, "JSON output"); bump on a breaking change.
+SCHEMA_VERSION = 1
+
+
+def emit_json(doc: dict) -> None:
+    """Print one ``--json`` document on stdout, ``schema_version`` first."""
+    doc = {"schema_version": SCHEMA_VERSION, **doc}
     sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+def plural(n: int, word: str, many: str | None = None) -> str:
+    """``n`` (thousands separated) and ``word`` in the number ``n`` asks for (``many``: an
+    irregular plural): ``plural(1044864, "element")`` is ``'1,044,864 elements'``."""
+    return f"{n:,} {word if n == 1 else many or word + 's'}"
+
+
+def check_size(value: str | None) -> str | None:
+    """typer callback of a size flag (``--max-memory 1GiB``): a size that does not parse or
+    is not positive is a usage error (exit 2) that names the flag."""
+    if value is not None:
+        from ..errors import UsageError
+        from ..ops.reshard import parse_size
+
+        try:
+            parse_size(value)
+        except UsageError as e:
+            raise typer.BadParameter(e.message) from None
+    return value
 
 
 def print_table(headers: list[str], rows: list[list[str]], title: str | None = None) -> None:

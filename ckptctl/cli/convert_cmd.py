@@ -5,14 +5,14 @@ from typing import List, Optional
 
 import typer
 
-from .common import (CTX, JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, print_table,
-                     say, storage_options)
+from .common import (CTX, JsonOpt, QuietOpt, StorageOpt, check_size, emit_json, human_bytes,
+                     plural, print_table, say, storage_options)
 from .main import app
 from .progress import byte_progress
 
-MaxMemOpt = typer.Option("1GiB", "--max-memory", metavar="SIZE",
+MaxMemOpt = typer.Option("1GiB", "--max-memory", metavar="SIZE", callback=check_size,
                          help="Memory budget for tensor data (1GiB, 512MB, ...).")
-WorkersOpt = typer.Option(4, "--workers", help="Parallel readers/writers.")
+WorkersOpt = typer.Option(4, "--workers", min=1, help="Parallel readers/writers.")
 ForceOpt = typer.Option(False, "--force", help="Replace a non-empty DST (e.g. what a killed "
                         "run left); its manifest and .metadata are removed first.")
 
@@ -40,6 +40,12 @@ def reshard(
 
     Rules are validated before a byte is written (a rule that does not fit a tensor exits 2).
     Data first; .metadata and the manifest last.
+
+    \b
+    EXAMPLES
+      ckptctl reshard ckpt/ out/ --mesh dp=2,tp=2 --rules llama --dry-run
+      ckptctl reshard ckpt/ out/ --mesh dp=8,tp=4 --rules rules.toml
+      ckptctl reshard s3://runs/llama/step-12000 /nvme/step-12000 --world-size 8
     """
     from ..ops import reshard as do_reshard
 
@@ -56,10 +62,10 @@ def reshard(
                     [[str(x["rank"]), str(x["chunks"]), human_bytes(x["read_bytes"]),
                       human_bytes(x["write_bytes"]), ", ".join(x["read_files"][:4])
                       + (" ..." if len(x["read_files"]) > 4 else "")] for x in r.ranks],
-                    title=f"plan: {r.src} -> {r.dst} at {r.mesh} ({r.world_size} ranks)")
+                    title=f"plan: {r.src} -> {r.dst} at {r.mesh} ({plural(r.world_size, 'rank')})")
         return
-    say(f"{r.dst}: {r.world_size} ranks ({r.mesh}), {r.chunks} chunks, "
-        f"{human_bytes(r.bytes_written)} in {r.files} files ({r.seconds:.2f}s)")
+    say(f"{r.dst}: {plural(r.world_size, 'rank')} ({r.mesh}), {plural(r.num_chunks, 'chunk')}, "
+        f"{human_bytes(r.bytes)} in {plural(r.num_files, 'file')} ({r.seconds:.2f}s)")
     say(f"id {r.manifest_id}")
 
 
@@ -76,7 +82,7 @@ def consolidate(
                                         help="Cast floating tensors: bf16, fp16, fp32."),
     strip_prefix: Optional[str] = typer.Option(None, "--strip-prefix", metavar="PREFIX",
                                                help="Drop this prefix from names (model.)."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", metavar="SIZE",
+    max_shard_size: str = typer.Option("5GB", "--max-shard-size", metavar="SIZE", callback=check_size,
                                        help="safetensors: largest file before a new shard."),
     max_memory: str = MaxMemOpt,
     workers: int = WorkersOpt,
@@ -89,6 +95,12 @@ def consolidate(
 
     safetensors output follows the HF convention: model.safetensors, or
     model-00001-of-0000N.safetensors + model.safetensors.index.json.
+
+    \b
+    EXAMPLES
+      ckptctl consolidate ckpt/ hf/ --only model --strip-prefix model.
+      ckptctl consolidate ckpt/ model.pt --to torch --only model --dtype bf16
+      ckptctl consolidate s3://runs/llama/step-12000 hf/ --max-shard-size 2GB
     """
     from ..ops import consolidate as do_consolidate
 
@@ -101,8 +113,9 @@ def consolidate(
     if json:
         emit_json(r.to_dict())
         return
-    skipped = f", {r.objects_skipped} non-tensor entries not stored" if r.objects_skipped else ""
-    say(f"{r.dst}: {r.to}, {r.tensors} tensors, {r.objects} objects{skipped}; "
-        f"{human_bytes(r.bytes_written)} in {', '.join(r.files)} ({r.seconds:.2f}s)")
+    skipped = (f", {plural(r.objects_skipped, 'non-tensor entry', 'non-tensor entries')} not "
+               "stored" if r.objects_skipped else "")
+    say(f"{r.dst}: {r.to}, {plural(r.num_tensors, 'tensor')}, {plural(r.num_objects, 'object')}"
+        f"{skipped}; {human_bytes(r.bytes)} in {', '.join(r.files)} ({r.seconds:.2f}s)")
     if r.manifest_id:
         say(f"id {r.manifest_id}")

@@ -6,7 +6,7 @@ from typing import List, Optional
 import typer
 
 from .common import (JsonOpt, QuietOpt, StorageOpt, CTX, emit_json, human_bytes, human_count,
-                     print_table, say, storage_options)
+                     plural, print_table, say, storage_options)
 from .main import app
 
 
@@ -26,6 +26,13 @@ def inspect(
     """Show format, step, sizes, dtypes, layout and state closure of a checkpoint.
 
     Reads metadata only: on S3 a DCP checkpoint costs a listing and one or two GETs.
+
+    \b
+    EXAMPLES
+      ckptctl inspect ckpt/step-20
+      ckptctl inspect ckpt/step-20 --tree --filter 'model.layers.0.*'
+      ckptctl inspect hf/model.safetensors --tensors
+      ckptctl inspect s3://runs/llama/step-12000 --json
     """
     from ..errors import shorten
     from ..ops import inspect as do_inspect
@@ -44,16 +51,18 @@ def inspect(
     step = f"step {r.step} (from {r.step_source})" if r.step is not None else "step unknown"
     say(f"{r.url}")
     say(f"  format   {r.format}, {step}, {'sealed' if r.sealed else 'not sealed'}")
-    say(f"  size     {human_bytes(r.total_bytes)} in {r.num_files} files; "
-        f"{r.num_tensors} tensors ({human_bytes(r.tensor_bytes)}), {r.num_objects} objects")
+    say(f"  size     {human_bytes(r.bytes)} in {plural(r.num_files, 'file')}; "
+        f"{plural(r.num_tensors, 'tensor')} ({human_bytes(r.tensor_bytes)}), "
+        f"{plural(r.num_objects, 'object')}")
     say(f"  params   {human_count(r.num_params)} ({r.num_params:,}) in the model part"
-        + (f"; buffers {human_count(r.num_buffers)} ({r.num_buffers:,} elements)"
+        + (f"; buffers {human_count(r.num_buffers)} ({plural(r.num_buffers, 'element')})"
            if r.num_buffers else ""))
-    say("  dtypes   " + ", ".join(f"{d} {v['tensors']} tensors {human_bytes(v['bytes'])}"
+    say("  dtypes   " + ", ".join(f"{d} {plural(v['tensors'], 'tensor')} {human_bytes(v['bytes'])}"
                                   for d, v in r.dtypes.items()))
     lay = r.layout
     dims = ", ".join(f"{k}: {v}" for k, v in lay["dims"].items()) or "none"
-    say(f"  layout   {lay['world_size']} data files, {lay['sharded_tensors']} tensors sharded "
+    say(f"  layout   {plural(lay['world_size'], 'data file')}, "
+        f"{plural(lay['sharded_tensors'], 'tensor')} sharded "
         f"({dims}), {lay['replicated_tensors']} stored whole"
         + (f", mesh guess {lay['mesh_guess']}" if lay["mesh_guess"] else ""))
     say("  closure  " + "  ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r.closure.items()))

@@ -17,7 +17,13 @@ def ls(
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
 ):
-    """List every checkpoint under ROOT with step, format, state, size and time, by step."""
+    """List every checkpoint under ROOT with step, format, state, size and time, by step.
+
+    \b
+    EXAMPLES
+      ckptctl ls /lustre/run1
+      ckptctl ls s3://runs/llama -o endpoint_url=http://minio:9000 --json
+    """
     from ..ops import ls as do_ls
 
     CTX.quiet = quiet

@@ -3,20 +3,16 @@ errors into messages and exit codes (DESIGN.md)."""
 from __future__ import annotations
 
 import sys
+from typing import NoReturn
 
 import typer
 
 from .. import __version__
-from ..errors import EXIT_INTERRUPTED, EXIT_OPERATIONAL, EXIT_USAGE, CkptError, shorten
+from ..errors import (EXIT_INTERRUPTED, EXIT_OPERATIONAL, EXIT_USAGE, CkptError,
+                      exit_status_text, shorten)
 from .common import CTX
 
-EXIT_STATUS = """\b
-EXIT STATUS
-  0  success (verify: nothing wrong)
-  1  a finding (verify found a problem, seal refused an inconsistent checkpoint)
-  2  usage error
-  3  operational error (not found, I/O, unreadable or unsupported input)
-  130 interrupted"""
+EXIT_STATUS = exit_status_text()  # the table lives in errors.EXIT_CODES
 
 app = typer.Typer(
     name="ckptctl",
@@ -106,7 +102,7 @@ def main(argv: list[str] | None = None) -> None:
         _quiet_library_logs()
     previous = _sigterm_as_interrupt()
     try:
-        _run(args)
+        _run(args, as_json=_wants_json(args))
     finally:
         if previous is not None:  # an in-process caller (tests, a library user) keeps its own
             import signal
@@ -114,31 +110,48 @@ def main(argv: list[str] | None = None) -> None:
             signal.signal(signal.SIGTERM, previous)
 
 
-def _run(args: list[str]) -> None:
+def _wants_json(args: list[str]) -> bool:
+    """``--json`` anywhere before ``--``: a failure then also prints a JSON error object."""
+    return "--json" in (args[:args.index("--")] if "--" in args else args)
+
+
+def _fail(as_json: bool, line: str, exit_code: int, code: str, message: str,
+          path: str | None = None) -> NoReturn:
+    """Exit with ``exit_code`` after ``line`` on stderr (if any) and, with ``--json``, the
+    error object on stdout (README, "JSON output")."""
+    if line:
+        print(line, file=sys.stderr)
+    if as_json:
+        from .common import emit_json
+
+        emit_json({"error": {"code": str(code), "exit_code": exit_code, "message": message,
+                             "path": path}})
+    sys.exit(exit_code)
+
+
+def _run(args: list[str], *, as_json: bool = False) -> None:
     try:
         rv = app(args=args, prog_name="ckptctl", standalone_mode=False)
     except typer.Abort:
-        print("ckptctl: interrupted", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        _fail(as_json, "ckptctl: interrupted", EXIT_INTERRUPTED, "INTERRUPTED", "interrupted")
     except typer.TyperException as e:  # usage errors: bad flag, missing argument
         e.show()
         code = getattr(e, "exit_code", EXIT_USAGE)
-        sys.exit(EXIT_USAGE if code in (1, 2) else code)
+        code = EXIT_USAGE if code in (1, 2) else code
+        message = e.format_message() if hasattr(e, "format_message") else str(e)
+        _fail(as_json, "", code, "USAGE", shorten(message, 400))
     except KeyboardInterrupt:
-        print("ckptctl: interrupted", file=sys.stderr)
-        sys.exit(EXIT_INTERRUPTED)
+        _fail(as_json, "ckptctl: interrupted", EXIT_INTERRUPTED, "INTERRUPTED", "interrupted")
     except CkptError as e:
         if CTX.debug:
             raise
-        print(f"ckptctl: error: {e}", file=sys.stderr)
-        sys.exit(e.exit_code)
+        _fail(as_json, f"ckptctl: error: {e}", e.exit_code, e.code, str(e), e.path)
     except Exception as e:  # noqa: BLE001 - a bug: one line, the traceback under --debug
         if CTX.debug:
             raise
-        print(f"ckptctl: internal error: {type(e).__name__}: {shorten(e, 200)}"
-              " (rerun with --debug for a traceback)", file=sys.stderr)
-        sys.exit(EXIT_OPERATIONAL)
+        message = (f"internal error: {type(e).__name__}: {shorten(e, 200)}"
+                   " (rerun with --debug for a traceback)")
+        _fail(as_json, f"ckptctl: {message}", EXIT_OPERATIONAL, "INTERNAL", message)
     if rv == EXIT_INTERRUPTED:  # typer turns KeyboardInterrupt into Exit(130), silently
-        print("ckptctl: interrupted", file=sys.stderr)
+        _fail(as_json, "ckptctl: interrupted", EXIT_INTERRUPTED, "INTERRUPTED", "interrupted")
     sys.exit(rv if isinstance(rv, int) else 0)
-

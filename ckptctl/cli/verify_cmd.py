@@ -7,8 +7,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import EXIT_FINDING
-from .common import (CTX, JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, print_table,
-                     say, storage_options)
+from .common import (CTX, JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, plural,
+                     print_table, say, storage_options)
 from .main import app
 from .progress import byte_progress
 
@@ -37,7 +37,7 @@ def verify(
     sample: Optional[float] = typer.Option(None, "--sample", metavar="FRACTION",
                                            help="With --level full: check a deterministic "
                                                 "fraction (0-1] of the files (default: all)."),
-    workers: int = typer.Option(4, "--workers", help="Parallel readers/hashers."),
+    workers: int = typer.Option(4, "--workers", min=1, help="Parallel readers/hashers."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
@@ -49,6 +49,12 @@ def verify(
     structure  + metadata parses, chunks tile tensors, extents inside files, closure
     full       + every data file read once: content hashes against the manifest; unsealed,
                  the CRC-32 of every DCP/torch.save zip record (safetensors: decoded only)
+
+    \b
+    EXAMPLES
+      ckptctl verify ckpt/step-20
+      ckptctl verify --level full --require model,optim,step ckpt/ && deploy
+      ckptctl verify -l full --check-finite --sample 0.1 s3://runs/step-12000
     """
     from ..ops import verify as do_verify
 
@@ -64,10 +70,10 @@ def verify(
             print_table(["code", "severity", "where", "message"],
                         [[p.code, p.severity, (p.path or "") + (f" [{p.entry}]" if p.entry else ""),
                           p.message] for p in r.problems])
-        state = "OK" if r.ok else f"{len(r.problems)} problem(s)"
+        state = "OK" if r.ok else plural(len(r.problems), "problem")
         proven = f"content: {CONTENT_WORDS.get(r.content, r.content)}; " if r.content else ""
         say(f"{r.url}: {state} ({r.level}; {r.format or 'unknown format'}, "
-            f"{'sealed' if r.sealed else 'not sealed'}; {proven}{r.files_checked} files, "
+            f"{'sealed' if r.sealed else 'not sealed'}; {proven}{plural(r.files_checked, 'file')}, "
             f"{human_bytes(r.bytes_read)} read in {r.seconds:.2f}s)")
     if not r.ok:
         raise typer.Exit(EXIT_FINDING)
@@ -90,7 +96,7 @@ def seal(
                                        "checkpoint's step entry, else its name)."),
     tag: Optional[List[str]] = typer.Option(None, "--tag", metavar="TAG",
                                             help="Tag to record, repeatable."),
-    workers: int = typer.Option(4, "--workers", help="Parallel hashers."),
+    workers: int = typer.Option(4, "--workers", min=1, help="Parallel hashers."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
@@ -99,6 +105,11 @@ def seal(
 
     Refuses (exit 1) a checkpoint that is incomplete or inconsistent. Sealing a sealed
     checkpoint verifies it against its manifest instead.
+
+    \b
+    EXAMPLES
+      ckptctl seal ckpt/step-20 --tag release
+      ckptctl seal s3://runs/llama/step-12000 --hash sha256 --step 12000
     """
     from ..ops import seal as do_seal
 
@@ -110,6 +121,6 @@ def seal(
         emit_json(r.to_dict())
         return
     what = "sealed" if r.action == "sealed" else "already sealed; verified against its manifest"
-    say(f"{r.url}: {what}: {r.files} files, {human_bytes(r.bytes)}, {r.hash}, "
+    say(f"{r.url}: {what}: {plural(r.num_files, 'file')}, {human_bytes(r.bytes)}, {r.hash}, "
         f"step {r.step if r.step is not None else '-'} ({r.seconds:.2f}s)")
     say(f"id {r.manifest_id}")

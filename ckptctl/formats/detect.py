@@ -8,6 +8,8 @@
 'composite'
 >>> step_from_name("s3://b/run/global_step1200"), step_from_name("iter_0001200"), step_from_name("x")
 (1200, 1200, None)
+>>> step_from_name("ckpts/epoch=3-step=1200.ckpt"), step_from_name("m-epoch=0-step=7-v1.ckpt")
+(1200, 7)
 """
 from __future__ import annotations
 
@@ -24,17 +26,23 @@ _STEP_PATTERNS = [re.compile(p) for p in (
     r"^(?:step|global_step|checkpoint|ckpt|iter|iteration)[-_]?0*(\d+)$",
     r"^(?:step|global_step|checkpoint|ckpt|iter|iteration)[-_]?0*(\d+)\.\w+$",
 )]
+#: Lightning's ModelCheckpoint names: ``epoch=3-step=1200.ckpt``, ``m-step=7-v1.ckpt``.
+_LIGHTNING_STEP = re.compile(r"(?:^|[-_])step=(\d+)(?=[-_.]|$)")
+
+#: Entries that hold the step, first found wins (torch.save, Lightning ``.ckpt``, folders).
+STEP_ENTRIES = ("step", "global_step", "train_state.step", "trainer.step")
 
 
 def step_from_name(url: str) -> int | None:
     """The step a checkpoint's name carries (``step-1200``, ``global_step1200``,
-    ``checkpoint-1200``, ``iter_0001200``), or None."""
+    ``checkpoint-1200``, ``iter_0001200``, Lightning's ``epoch=3-step=1200.ckpt``), or None."""
     name = posixpath.basename(url.rstrip("/"))
     for pat in _STEP_PATTERNS:
         m = pat.match(name)
         if m:
             return int(m.group(1) or 0)
-    return None
+    m = _LIGHTNING_STEP.search(name)
+    return int(m.group(1)) if m else None
 
 
 def detect_format(files: dict[str, int]) -> str | None:
@@ -72,6 +80,8 @@ def locate(url: str, storage_options: dict | None = None) -> tuple[Store, dict[s
     if not store.exists():
         from ..errors import NotFoundError
         raise NotFoundError(url, "no such file or directory")
+    if not store.isdir():  # a file, of no format ckptctl reads
+        raise UnsupportedFormatError(url, "not a checkpoint")
     raise UnsupportedFormatError(url, "empty: no checkpoint files here")
 
 
@@ -104,19 +114,22 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
 
 
 def resolve_step(ck: Checkpoint, url: str, *, read_step: bool = True) -> None:
-    """Step from the manifest, else a ``step`` entry, else the name."""
+    """Step from the manifest, else a ``step`` entry (:data:`STEP_ENTRIES`), else the name
+    (:func:`step_from_name`)."""
     man = ck.info.get("manifest")
     if man and isinstance(man.get("step"), int):
         ck.step, ck.info["step_source"] = man["step"], "manifest"
         return
     if read_step:
+        ck.info["step_entry_read"] = True  # verify's quick level need not read it again
         if ck.format == "dcp":
             from .tensorio import read_object
 
             step = dcp.step_from_objects(ck, read_object)
-        else:
-            v = ck.objects.get("step")
-            step = v.value if v is not None and isinstance(v.value, int) else None
+        else:  # torch.save and Lightning give plain values without unpickling code
+            values = [getattr(ck.objects.get(n), "value", None) for n in STEP_ENTRIES]
+            step = next((v for v in values if isinstance(v, int) and not isinstance(v, bool)),
+                        None)
         if step is not None:
             ck.step, ck.info["step_source"] = step, "entry"
             return

@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from .._deps import require_torch
 from ..errors import UsageError, shorten
 from ..formats.composite import refuse_opaque
 from ..formats.detect import open_checkpoint
@@ -21,10 +22,11 @@ from ..formats.torchsave import SUFFIXES
 from ..model import DTYPES, Checkpoint, dtype_from_name
 from ..storage import HashingWriter, Store, open_store, split_url
 from .closure import classify, parse_parts
-from .copier import BlockStream, dtype_converter, stream_depth
+from .copier import (BlockStream, commit_output, copy_to_dcp, dtype_converter, object_payload,
+                     stream_depth)
 from .output import OutputDir
-from .plan import consolidation_plan
-from .reshard import DEFAULT_MAX_MEMORY, _execute, commit_output, object_payload, parse_size
+from .planner import consolidation_plan
+from .reshard import DEFAULT_MAX_MEMORY, parse_size
 
 TARGETS = ("safetensors", "torch", "dcp")
 
@@ -34,14 +36,18 @@ class ConsolidateResult:
     src: str
     dst: str
     to: str
-    files: list[str]
-    tensors: int
-    objects: int
+    files: list[str]  # written, the manifest aside
+    num_tensors: int
+    num_objects: int
     objects_skipped: int
-    bytes_written: int
+    bytes: int  # written, the manifest aside
     seconds: float
     manifest_id: str | None = None
     renamed: dict[str, str] = field(default_factory=dict)
+    num_files: int = field(init=False, default=0)
+
+    def __post_init__(self):
+        self.num_files = len(self.files)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -84,6 +90,7 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
         raise UsageError(f"--to must be one of {', '.join(TARGETS)}")
     conv_to = _target_dtype(dtype)
     max_memory = parse_size(max_memory)
+    require_torch("consolidate")  # before a byte is read or written
     ck = open_checkpoint(src, storage_options)
     ck.store.cache_small_files(ck.files)
     tensors, objects = _select(ck, only)
@@ -99,11 +106,12 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     plan = consolidation_plan(ck, only=set(tensors) | set(objects))
     opts = dst_storage_options or storage_options
     if to == "dcp":
-        r = _execute(ck, plan, src, dst, dry_run=False, max_memory=max_memory, workers=workers,
-                     storage_options=opts, on_bytes=on_bytes, t0=t0, convert_dtype=conv_to,
-                     force=force, command="consolidate --to dcp")
-        return ConsolidateResult(src, dst, to, ["__0_0.distcp", ".metadata"], len(tensors),
-                                 len(objects), 0, r.bytes_written, r.seconds, r.manifest_id)
+        done = copy_to_dcp(ck, plan, dst, max_memory=max_memory, workers=workers,
+                           storage_options=opts, convert_dtype=conv_to, force=force,
+                           command="consolidate --to dcp", source=src, on_bytes=on_bytes)
+        return ConsolidateResult(src, dst, to, sorted(done.hashes), len(tensors),
+                                 len(objects), 0, done.bytes_written,
+                                 round(time.monotonic() - t0, 3), done.manifest_id)
     by_name = {tc.name: tc for tc in plan.chunks}
 
     def convert_for(tc):

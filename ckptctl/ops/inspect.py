@@ -50,7 +50,7 @@ class InspectResult:
     format: str
     step: int | None
     step_source: str | None
-    total_bytes: int
+    bytes: int  # every file of the checkpoint
     num_files: int
     num_tensors: int
     num_objects: int
@@ -137,7 +137,7 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
     meta = ck.info.get("metadata") or {}
     return InspectResult(
         url=ck.root, format=ck.format, step=ck.step, step_source=ck.info.get("step_source"),
-        total_bytes=ck.total_bytes, num_files=len(ck.files), num_tensors=len(ck.tensors),
+        bytes=ck.total_bytes, num_files=len(ck.files), num_tensors=len(ck.tensors),
         num_objects=len(ck.objects), num_params=num_params,
         tensor_bytes=sum(t.nbytes for t in ck.tensors.values()), num_buffers=num_buffers,
         dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])),

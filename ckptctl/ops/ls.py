@@ -8,12 +8,13 @@ One recursive listing finds the candidates; each is then classified from its met
 """
 from __future__ import annotations
 
+import datetime as dt
 import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
-from ..errors import CkptError, StorageError
+from ..errors import CkptError, NotFoundError, StorageError, UnsupportedFormatError
 from ..formats.detect import detect_format, step_from_name
 from ..formats.manifest import MANIFEST, WRITING_MARKER
 from ..formats.torchsave import is_torch_file
@@ -42,7 +43,22 @@ class LsResult:
     checkpoints: list[CheckpointRow] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """The ``--json`` document: times as ISO-8601 UTC strings."""
+        doc = asdict(self)
+        for c in doc["checkpoints"]:
+            c["modified"] = iso_utc(c["modified"])
+        return doc
+
+
+def iso_utc(ts: float | None) -> str | None:
+    """Seconds since the epoch as ISO-8601 UTC, to the second (None stays None).
+
+    >>> iso_utc(0), iso_utc(None)
+    ('1970-01-01T00:00:00Z', None)
+    """
+    if ts is None:
+        return None
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _candidates(files: dict[str, int]) -> dict[str, dict[str, int]]:
@@ -71,16 +87,47 @@ def _candidates(files: dict[str, int]) -> dict[str, dict[str, int]]:
     return found
 
 
+def _located(store, rel: str, group: dict[str, int]) -> tuple:
+    """What :func:`~ckptctl.formats.detect.locate` would return for one candidate, cut
+    from the root's listing: the checkpoint is classified without listing it again."""
+    if rel in group:  # a lone torch.save file
+        d, name = posixpath.split(rel)
+        return (store.child(d) if d else store), {name: group[rel]}, name
+    if not rel:
+        return store, dict(group), None
+    return store.child(rel), {k[len(rel) + 1:]: v for k, v in group.items()}, None
+
+
+def _lone_file(store, root: str, storage_options: dict | None) -> tuple:
+    """(store, files) when ``root`` lists nothing: a missing place is an error (exit 3),
+    an empty folder or bucket lists no checkpoint, a file is listed from its folder."""
+    if not store.exists():
+        raise NotFoundError(root, "no such file or directory")
+    if store.isdir():
+        return store, {}
+    parent_url, name = root.rstrip("/").rsplit("/", 1) if "/" in root.rstrip("/") else (".", root)
+    parent = open_store(parent_url or "/", storage_options)
+    return parent, {name: parent.size(name)}
+
+
 def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> LsResult:
     """List the checkpoints under ``root``, sorted by step (then name)."""
     store = open_store(root, storage_options)
     files = store.list_files()
+    shown_root, lone = store.url, False
+    if not files:
+        store, files = _lone_file(store, root, storage_options)
+        lone = bool(files)
     groups = _candidates(files)
+    if lone and not groups:
+        raise UnsupportedFormatError(root, "not a checkpoint")
+    if lone and "" in groups:  # one safetensors file: listed as itself, not as its folder
+        groups = {next(iter(files)): groups[""]}
 
     def row(rel: str) -> CheckpointRow:
         url = store.display(rel) if rel else store.url
         try:
-            rep = checkpoint_state(url, storage_options)
+            rep = checkpoint_state(url, storage_options, located=_located(store, rel, groups[rel]))
         except StorageError:
             raise  # the storage itself failed: not a finding about one checkpoint
         except CkptError as e:  # one bad checkpoint never hides the others
@@ -102,4 +149,4 @@ def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> L
     with ThreadPoolExecutor(max(1, min(workers, len(groups)))) as pool:
         rows = list(pool.map(row, sorted(groups)))
     rows.sort(key=lambda r: (r.step is None, r.step if r.step is not None else 0, r.name))
-    return LsResult(store.url, rows)
+    return LsResult(shown_root, rows)

@@ -5,25 +5,22 @@ rank r's own file ``__r_0.distcp`` (replicas once, in the lowest rank holding th
 objects in rank 0's file). Data is written first, ``.metadata`` next, the manifest last.
 
 >>> r = reshard("ckpt/", "out/", mesh="dp=2,tp=2", rules="llama")   # doctest: +SKIP
->>> r.world_size, r.files                                          # doctest: +SKIP
+>>> r.world_size, r.num_files                                      # doctest: +SKIP
 (4, 6)
 """
 from __future__ import annotations
 
-import io
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from ..errors import FormatError, UsageError
-from ..formats.dcp_write import DcpWriter
+from .._deps import require_torch
+from ..errors import UsageError
 from ..formats.detect import open_checkpoint
 from ..layout import Rules, load_rules, parse_mesh, preset
-from ..model import Checkpoint
-from ..storage import Store, open_store
-from .output import OutputDir
-from .plan import Plan, consolidation_plan, make_plan
+from .copier import copy_to_dcp
+from .planner import make_plan
 
 DEFAULT_MAX_MEMORY = 1 << 30
 
@@ -35,13 +32,14 @@ class ReshardResult:
     mesh: str
     world_size: int
     dry_run: bool
-    chunks: int
-    bytes_written: int
-    files: int
+    num_chunks: int
+    bytes: int  # written (dry run: to be written), the manifest aside
+    num_files: int
     seconds: float
     manifest_id: str | None = None
     ranks: list[dict] = field(default_factory=list)
     placements: dict[str, str] = field(default_factory=dict)
+    files: list[str] = field(default_factory=list)  # written, the manifest aside
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -97,66 +95,6 @@ def build_rules(*, mesh: str | None, rules: str | None, world_size: int | None) 
     return preset(rules, m)
 
 
-def object_payload(ck: Checkpoint, name: str) -> bytes:
-    """A DCP bytes entry for object ``name``: the source's own torch.save zip when it is
-    DCP (decompressed), else ``torch.save`` of the value (already loaded safely)."""
-    o = ck.objects[name]
-    if o.extent is not None and o.extent.encoding in ("torch_zip", "torch_zip+zstd"):
-        from ..formats.tensorio import decompress_bounded
-
-        blob = ck.store.read_range(o.extent.file, o.extent.offset, o.extent.offset + o.extent.length)
-        if len(blob) != o.extent.length:
-            raise FormatError(ck.store.display(o.extent.file), f"{name}: truncated")
-        if o.extent.encoding == "torch_zip+zstd":
-            blob = decompress_bounded(blob, ck.store.display(o.extent.file), 1 << 30)
-        return blob
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(o.value, buf)
-    return buf.getvalue()
-
-
-def write_dcp(ck: Checkpoint, plan: Plan, out: OutputDir, *, max_memory: int, workers: int,
-              convert_dtype: str | None = None,
-              on_bytes: Callable[[int], None] | None = None) -> DcpWriter:
-    """Execute ``plan`` into a DCP checkpoint in ``out`` (data files, then ``.metadata``)."""
-    from .copier import BlockStream, dtype_converter, stream_depth
-
-    by_rank = {r: cs for r, cs in plan.by_rank().items() if cs or r == 0}
-    nworkers = max(1, min(workers, len(by_rank)))
-    writer = DcpWriter(out.store, on_bytes=on_bytes, sink=out)
-
-    def converts(tc) -> bool:
-        return bool(convert_dtype and tc.dtype.kind == "float" and tc.dtype.name != convert_dtype)
-
-    def items(rank):
-        stream = BlockStream(ck, by_rank[rank], depth=stream_depth(max_memory, nworkers),
-                             convert_for=lambda tc: dtype_converter(tc.dtype.name, convert_dtype)
-                             if converts(tc) else None)
-        for tc in by_rank[rank]:
-            dtype = convert_dtype if converts(tc) else tc.dtype.name
-            shape = ck.tensors[tc.name].shape
-            yield ("tensor", tc.name, dtype, shape, tc.offsets, tc.sizes, stream.blocks(tc.name))
-        if rank == 0:
-            for name in plan.objects:
-                yield ("object", name, object_payload(ck, name))
-
-    out.map(lambda r: writer.write_rank(r, items(r)), sorted(by_rank), nworkers)
-    paths = ck.info.get("paths") or {}
-    names = {tc.name for tc in plan.chunks} | set(plan.objects)
-    writer.commit({n: paths.get(n, (n,)) for n in sorted(names)})
-    return writer
-
-
-def commit_output(dst: Store, hashes: dict, *, step: int | None, tags: list[str]) -> str:
-    """Seal a freshly written checkpoint from the hashes its writer computed."""
-    from .seal import write_manifest
-
-    out = open_checkpoint(dst.url, None, read_step=False, located=(dst, dst.list_files(), None))
-    return write_manifest(dst, out, hashes, algo="xxh3-128", step=step, tags=tags)
-
-
 def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = None,
             world_size: int | None = None, max_memory: int | str = DEFAULT_MAX_MEMORY,
             workers: int = 4, dry_run: bool = False, storage_options: dict | None = None,
@@ -167,6 +105,7 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
     ``dst`` must be new or empty; ``force`` replaces what it holds."""
     t0 = time.monotonic()
     r = build_rules(mesh=mesh, rules=rules, world_size=world_size)
+    require_torch("reshard")  # before a byte is read or written
     ck = open_checkpoint(src, storage_options)
     ck.store.cache_small_files(ck.files)
     from ..formats.composite import refuse_opaque
@@ -174,31 +113,21 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
     refuse_opaque(ck, verb="reshard", hint="reshard carries every entry: first write the parts "
                   "it can carry with consolidate --to dcp --only model,optim")
     plan = make_plan(ck, r)
-    return _execute(ck, plan, src, dst, dry_run=dry_run, max_memory=parse_size(max_memory),
-                    workers=workers, storage_options=dst_storage_options or storage_options,
-                    on_bytes=on_bytes, t0=t0, force=force, command="reshard")
-
-
-def _execute(ck, plan: Plan, src: str, dst: str, *, dry_run: bool, max_memory: int,
-             workers: int, storage_options, on_bytes, t0, convert_dtype=None, force=False,
-             command="reshard") -> ReshardResult:
+    max_memory = parse_size(max_memory)
     ranks = plan.rank_summary(ck)
     result = ReshardResult(src, dst, str(plan.mesh), plan.mesh.world_size, dry_run,
                            len(plan.chunks), sum(x["write_bytes"] for x in ranks), 0, 0.0,
-                           ranks=ranks, placements=plan.placements)
-    if dry_run:
-        result.seconds = round(time.monotonic() - t0, 3)
-        return result
-    with OutputDir(open_store(dst, storage_options), command=command, force=force,
-                   source=src) as out:
-        writer = write_dcp(ck, plan, out, max_memory=max_memory, workers=workers,
-                           convert_dtype=convert_dtype, on_bytes=on_bytes)
-        out.commit()
-        result.manifest_id = commit_output(out.store, writer.hashes, step=ck.step, tags=[])
-    result.files = len(writer.hashes) + 1
-    result.bytes_written = sum(n for _, n in writer.hashes.values())
+                           ranks=ranks, placements=dict(plan.placements))
+    if not dry_run:
+        done = copy_to_dcp(ck, plan, dst, max_memory=max_memory, workers=workers,
+                           storage_options=dst_storage_options or storage_options,
+                           force=force, command="reshard", source=src, on_bytes=on_bytes)
+        result.manifest_id = done.manifest_id
+        result.files = sorted(done.hashes)
+        result.num_files = len(result.files)
+        result.bytes = done.bytes_written
     result.seconds = round(time.monotonic() - t0, 3)
     return result
 
 
-__all__ = ["ReshardResult", "build_rules", "consolidation_plan", "parse_size", "reshard"]
+__all__ = ["ReshardResult", "build_rules", "parse_size", "reshard"]

@@ -25,9 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from ..errors import CkptError, StorageError, UsageError
+from .._deps import MissingDependencyError
+from ..errors import CkptError, ProblemCode, StorageError, UsageError
 from ..formats import dcp
-from ..formats.detect import locate, open_checkpoint
+from ..formats.detect import locate, open_checkpoint, resolve_step
 from ..formats.manifest import (MANIFEST, WRITING_MARKER, is_temp_name, read_manifest,
                                 writer_unfinished)
 from ..model import Checkpoint, TensorEntry
@@ -38,31 +39,9 @@ LEVELS = ("quick", "structure", "full")
 #: Object entries up to this size are scanned for globals the safe loader refuses.
 OBJECT_SCAN_LIMIT = 64 << 20
 
-#: Every problem code verify reports, with what it means.
-PROBLEM_CODES = {
-    "NOT_COMMITTED": "no manifest and no format commit marker (DCP .metadata): a write never finished",
-    "MISSING_FILE": "a file the manifest or metadata names is not there",
-    "SIZE_MISMATCH": "a file's size differs from the manifest, or is too short for its extents",
-    "EXTRA_FILE": "a file is present that the manifest does not list",
-    "STRAY_TEMP": "a writer's temporary file is left over (.metadata.tmp, *.partial, ...)",
-    "ORPHANED_UPLOAD": "an unfinished S3 multipart upload lies under the checkpoint's prefix",
-    "MALFORMED_METADATA": "metadata does not parse or is inconsistent",
-    "UNSAFE_INPUT": "metadata tries to run code or asks for absurd sizes",
-    "PATH_ESCAPE": "a path in the metadata leaves the checkpoint root",
-    "CHUNK_GAP": "chunks leave part of a tensor uncovered",
-    "CHUNK_OVERLAP": "chunks cover part of a tensor twice",
-    "OUT_OF_BOUNDS": "a chunk lies outside its tensor, or its bytes outside its file",
-    "DTYPE_SIZE_MISMATCH": "stored bytes differ from dtype x number of elements",
-    "MALFORMED_CHUNK": "a chunk's bytes do not decode (DCP zip, zstd stream)",
-    "INDEX_MISMATCH": "the HF index and the shard files disagree",
-    "MISSING_STATE": "a required part of the training state is absent (--require)",
-    "HASH_MISMATCH": "a file's content hash differs from the manifest",
-    "MANIFEST_MISMATCH": "the manifest describes another checkpoint than the files hold",
-    "NON_FINITE": "a tensor holds NaN or Inf values (--check-finite)",
-    "IO_ERROR": "a file could not be read",
-    "CRC_MISMATCH": "a zip record's CRC-32 (DCP chunk, torch.save file) differs from the one its "
-                    "writer recorded",
-}
+#: Every problem code verify reports, with what it means (compatibility view of
+#: :class:`~ckptctl.errors.ProblemCode`, the whole vocabulary).
+PROBLEM_CODES: dict[str, str] = {c.value: c.doc for c in ProblemCode if c.verify}
 
 
 @dataclass
@@ -100,8 +79,9 @@ class VerifyResult:
 
 class _Checker:
     def __init__(self, url, storage_options, level, require, check_finite, sample, workers,
-                 on_bytes):
+                 on_bytes, located=None, checkpoint=None, uploads=True):
         self.url, self.opts, self.level = url, storage_options, level
+        self.located, self.opened, self.uploads = located, checkpoint, uploads
         self.require = parse_parts(require) if isinstance(require, str) else list(require or [])
         self.check_finite, self.sample, self.workers = check_finite, sample, workers
         self.on_bytes = on_bytes
@@ -118,14 +98,15 @@ class _Checker:
 
     # ------------------------------------------------------------ quick
     def quick(self):
-        located = locate(self.url, self.opts)
+        located = self.located or locate(self.url, self.opts)
         store, files, single = located
         self.store, self.files = store, files
         for rel in files:
             if is_temp_name(rel):
                 self.add("STRAY_TEMP", "leftover temporary file", path=store.display(rel),
                          severity="warning")
-        self._orphaned_uploads(store)
+        if self.uploads:
+            self._orphaned_uploads(store)
         self._links_inside(store, files)
         if not single and writer_unfinished(files):  # killed, or still writing: nothing to check
             from ..formats.detect import detect_format
@@ -157,12 +138,12 @@ class _Checker:
                     self.add("EXTRA_FILE", "not listed in the manifest", path=store.display(rel),
                              severity="warning")
         try:
-            self.ck = open_checkpoint(self.url, self.opts, strict=False, read_step=False,
-                                      located=located)
+            self.ck = self.opened or open_checkpoint(self.url, self.opts, strict=False,
+                                                     read_step=False, located=located)
             self.result.format = self.ck.format
             self.result.step = self.ck.step
-        except StorageError:
-            raise
+        except (StorageError, MissingDependencyError):
+            raise  # exit 3, not a finding about the checkpoint
         except CkptError as e:
             self.add_error(e)
             return
@@ -172,6 +153,22 @@ class _Checker:
                     self.add("MISSING_FILE", "referenced by .metadata but missing",
                              path=store.display(rel))
         self._extents_inside_files()
+        self._step_entry()
+
+    def _step_entry(self):
+        """The step as ``inspect`` reports it: a step entry wins over the name (for DCP one
+        small read), once the files it lives in are known to be there."""
+        ck = self.ck
+        if ck.info.get("step_entry_read") or ck.info.get("step_source") == "manifest" \
+                or any(p.severity == "error" for p in self.problems):
+            return
+        try:
+            resolve_step(ck, self.url)
+        except (StorageError, MissingDependencyError):
+            raise
+        except CkptError:  # an unreadable entry: the structure level reports it
+            return
+        self.result.step = ck.step
 
     def _links_inside(self, store, files):
         """A file that is a link leaving the root is PATH_ESCAPE at every level."""
@@ -585,14 +582,20 @@ class _Checker:
 def verify(url: str, storage_options: dict | None = None, *, level: str = "structure",
            require: str | list[str] | None = None, check_finite: bool = False,
            sample: float | None = None, workers: int = 4,
-           on_bytes: Callable[[int], None] | None = None) -> VerifyResult:
+           on_bytes: Callable[[int], None] | None = None, located: tuple | None = None,
+           checkpoint: Checkpoint | None = None, uploads: bool = True) -> VerifyResult:
     """Check the checkpoint at ``url``; problems are collected, not raised.
 
     Raises only when the place cannot be read at all (exit 3): not found, unreachable.
+    A caller that has already listed or opened the checkpoint passes it on, so nothing is
+    listed or read twice: ``located`` (what :func:`~ckptctl.formats.detect.locate`
+    returned), ``checkpoint`` (opened from that listing with ``strict=False``).
+    ``uploads=False`` skips the look for orphaned S3 multipart uploads (one more listing;
+    they are only ever warnings).
     """
     if level not in LEVELS:
         raise UsageError(f"unknown level {level!r} (choose from {', '.join(LEVELS)})")
     if sample is not None and not 0 < sample <= 1:
         raise UsageError("--sample takes a fraction in (0, 1]")
     return _Checker(url, storage_options, level, require, check_finite, sample, workers,
-                    on_bytes).run()
+                    on_bytes, located, checkpoint, uploads).run()

@@ -1,0 +1,270 @@
+"""``--json`` is one schema across commands (issue 8, item 2; README "JSON output"):
+
+* every document carries ``"schema_version": 1``;
+* the same key means the same thing everywhere: ``url`` (the checkpoint's URL; ``src`` and
+  ``dst`` for conversions), ``bytes`` (a byte count), ``files`` (always a list of names),
+  ``num_files`` (always a count), ``seconds`` (a duration), times as ISO-8601 UTC strings;
+* on failure stdout holds ``{"schema_version": 1, "error": {code, exit_code, message,
+  path}}`` beside the one line on stderr.
+
+Every command is run through the CLI on a real DCP checkpoint that torch wrote, success
+and failure, and the documents are checked against the files on disk.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ckptctl.formats.manifest import MANIFEST
+
+ROOT = Path(__file__).resolve().parent.parent
+#: keys whose meaning the schema fixes, and the type each must have wherever it appears
+TYPED = {"schema_version": int, "url": str, "src": str, "dst": str, "bytes": int,
+         "num_files": int, "seconds": (int, float)}
+#: keys the schema retired: a document that still has one mixes two meanings
+RETIRED = {"total_bytes", "bytes_written"}
+ERROR_KEYS = {"code", "exit_code", "message", "path"}
+
+
+def _walk(doc, where="$"):
+    """Every (path, dict) in a JSON document."""
+    if isinstance(doc, dict):
+        yield where, doc
+        for k, v in doc.items():
+            yield from _walk(v, f"{where}.{k}")
+    elif isinstance(doc, list):
+        for i, v in enumerate(doc):
+            yield from _walk(v, f"{where}[{i}]")
+
+
+def _check_schema(doc: dict) -> None:
+    assert doc["schema_version"] == 1
+    assert next(iter(doc)) == "schema_version"  # first, so `head` shows it
+    for where, d in _walk(doc):
+        for k, v in d.items():
+            assert k not in RETIRED, f"{where}.{k}"
+            if k in TYPED and v is not None:
+                assert isinstance(v, TYPED[k]) and not isinstance(v, bool), (where, k, v)
+            if k == "files":
+                assert isinstance(v, list) and all(isinstance(x, str) for x in v), (where, v)
+            if k in ("modified", "created") and v is not None:
+                assert v.endswith("Z") and dt.datetime.fromisoformat(v).tzinfo, (where, k, v)
+
+
+def _json_ok(cli, *args) -> dict:
+    code, out, err = cli(*args, "--json")
+    assert code == 0, (code, out, err)
+    doc = json.loads(out)
+    _check_schema(doc)
+    return doc
+
+
+def _json_error(cli, code_, *args) -> dict:
+    """Run a failing command with --json: the error object on stdout, one line on stderr."""
+    code, out, err = cli(*args, "--json")
+    assert code == code_, (code, out, err)
+    doc = json.loads(out)
+    assert set(doc) == {"schema_version", "error"} and doc["schema_version"] == 1, doc
+    e = doc["error"]
+    assert set(e) == ERROR_KEYS and e["exit_code"] == code, e
+    assert isinstance(e["code"], str) and e["code"].isupper() and e["message"], e
+    assert "Traceback" not in err and err.strip(), err
+    # and without --json, stdout stays empty and stderr says the same
+    code2, out2, _ = cli(*args)
+    assert (code2, out2) == (code, ""), (code2, out2)
+    return e
+
+
+def _sizes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+
+
+@pytest.fixture
+def run(tiny_dcp, tmp_path) -> Path:
+    """``run/step-42``: a DCP checkpoint torch wrote (3 tensors, step entry 42)."""
+    root = tmp_path / "run"
+    root.mkdir()
+    shutil.move(str(tiny_dcp), root / "step-42")
+    return root
+
+
+def test_ls_json(cli, run):
+    doc = _json_ok(cli, "ls", str(run))
+    assert doc["root"] == str(run)
+    (row,) = doc["checkpoints"]
+    sizes = _sizes(run / "step-42")
+    assert row["url"] == str(run / "step-42") and row["name"] == "step-42"
+    assert row["bytes"] == sum(sizes.values()) and row["num_files"] == len(sizes)
+    assert (row["step"], row["format"], row["state"]) == (42, "dcp", "complete")
+    mtime = dt.datetime.fromisoformat(row["modified"]).timestamp()
+    newest = max(p.stat().st_mtime for p in (run / "step-42").iterdir())
+    assert abs(mtime - newest) < 2  # the time is UTC: the same instant as the file's
+
+
+def test_inspect_json(cli, run):
+    ck = run / "step-42"
+    doc = _json_ok(cli, "inspect", str(ck))
+    sizes = _sizes(ck)
+    assert doc["url"] == str(ck) and doc["bytes"] == sum(sizes.values())
+    assert doc["num_files"] == len(sizes) and doc["num_tensors"] == len(doc["tensors"]) == 3
+    assert doc["step"] == 42 and doc["step_source"] == "entry"
+    assert all(isinstance(t["bytes"], int) for t in doc["tensors"])
+
+
+def test_verify_json(cli, run):
+    ck = run / "step-42"
+    doc = _json_ok(cli, "verify", str(ck), "--level", "full")
+    assert doc["url"] == str(ck) and doc["ok"] is True and doc["problems"] == []
+    assert doc["step"] == 42 and doc["files_checked"] == len(_sizes(ck))
+
+
+def test_seal_json(cli, run):
+    ck = run / "step-42"
+    sizes = _sizes(ck)
+    doc = _json_ok(cli, "seal", str(ck))
+    assert doc["url"] == str(ck) and doc["action"] == "sealed" and doc["step"] == 42
+    assert doc["num_files"] == len(sizes) and doc["bytes"] == sum(sizes.values())
+    again = _json_ok(cli, "seal", str(ck))  # verified against its manifest: same numbers
+    assert (again["action"], again["num_files"], again["bytes"], again["manifest_id"]) == \
+        ("verified", doc["num_files"], doc["bytes"], doc["manifest_id"])
+
+
+def test_reshard_dry_run_json(cli, run, tmp_path):
+    out = tmp_path / "out"
+    doc = _json_ok(cli, "reshard", str(run / "step-42"), str(out), "--world-size", "2",
+                   "--dry-run")
+    assert (doc["src"], doc["dst"], doc["dry_run"]) == (str(run / "step-42"), str(out), True)
+    assert doc["files"] == [] and doc["num_files"] == 0 and not out.exists()
+    assert doc["num_chunks"] == sum(r["chunks"] for r in doc["ranks"]) > 0
+    assert doc["bytes"] == sum(r["write_bytes"] for r in doc["ranks"])
+
+
+def test_reshard_json(cli, run, tmp_path):
+    out = tmp_path / "out"
+    doc = _json_ok(cli, "reshard", str(run / "step-42"), str(out), "--world-size", "2")
+    written = {n: s for n, s in _sizes(out).items() if n != MANIFEST}
+    assert doc["files"] == sorted(written) and doc["num_files"] == len(written)
+    assert doc["bytes"] == sum(written.values()) and doc["dry_run"] is False
+    assert set(written) == {"__0_0.distcp", "__1_0.distcp", ".metadata"}
+
+
+@pytest.mark.parametrize("to", ["safetensors", "torch", "dcp"])
+def test_consolidate_json(cli, run, tmp_path, to):
+    out = tmp_path / "out"
+    doc = _json_ok(cli, "consolidate", str(run / "step-42"), str(out), "--to", to,
+                   "--only", "model")
+    written = {n: s for n, s in _sizes(out).items() if n != MANIFEST}
+    assert doc["files"] == sorted(written) and doc["num_files"] == len(written)
+    assert doc["bytes"] == sum(written.values())
+    assert (doc["num_tensors"], doc["num_objects"]) == (3, 0)
+
+
+# ------------------------------------------------------------------------------- failures
+
+
+def test_ls_json_error(cli, tmp_path):
+    e = _json_error(cli, 3, "ls", str(tmp_path / "nope"))
+    assert e == {"code": "MISSING_FILE", "exit_code": 3, "path": str(tmp_path / "nope"),
+                 "message": f"{tmp_path / 'nope'}: no such file or directory"}
+
+
+def test_inspect_json_error(cli, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a checkpoint\n")
+    e = _json_error(cli, 3, "inspect", str(notes))
+    assert (e["code"], e["path"], e["message"]) == \
+        ("UNSUPPORTED_FORMAT", str(notes), f"{notes}: not a checkpoint")
+
+
+def test_verify_json_error(cli, tmp_path):
+    e = _json_error(cli, 2, "verify", str(tmp_path), "--workers", "0")
+    assert e["code"] == "USAGE" and "--workers" in e["message"] and e["path"] is None
+
+
+def test_verify_finding_is_a_document_not_an_error(cli, run):
+    """A finding is verify's answer (exit 1): its report, not an error object."""
+    (run / "step-42" / "__0_0.distcp").unlink()
+    code, out, _ = cli("verify", str(run / "step-42"), "--json")
+    doc = json.loads(out)
+    _check_schema(doc)
+    assert code == 1 and doc["ok"] is False and "error" not in doc
+    assert [p["code"] for p in doc["problems"]] == ["MISSING_FILE"]
+
+
+def test_seal_json_error(cli, run):
+    (run / "step-42" / "__0_0.distcp").unlink()  # seal refuses it: a finding, exit 1
+    e = _json_error(cli, 1, "seal", str(run / "step-42"))
+    assert e["code"] == "MISSING_FILE" and "refusing to seal" in e["message"]
+    assert e["path"].startswith(str(run / "step-42"))
+
+
+def test_reshard_json_error(cli, run, tmp_path):
+    e = _json_error(cli, 2, "reshard", str(run / "step-42"), str(tmp_path / "o"),
+                    "--mesh", "dp=two", "--dry-run")
+    assert e["code"] == "USAGE" and "dp=two" in e["message"]
+    e = _json_error(cli, 2, "reshard", str(run / "step-42"), str(tmp_path / "o"),
+                    "--world-size", "2", "--max-memory", "-1GiB")
+    assert e["code"] == "USAGE" and "--max-memory" in e["message"]
+    assert not (tmp_path / "o").exists()
+
+
+def test_consolidate_json_error(cli, run, tmp_path):
+    e = _json_error(cli, 3, "consolidate", str(run / "nope"), str(tmp_path / "o"))
+    assert e["code"] == "MISSING_FILE" and e["path"] == str(run / "nope")
+    e = _json_error(cli, 2, "consolidate", str(run / "step-42"), str(tmp_path / "o"),
+                    "--to", "onnx")
+    assert e["code"] == "USAGE" and "--to" in e["message"]
+
+
+def test_interrupted_json_error(tmp_path):
+    """Ctrl-C: "interrupted" on stderr, exit 130, and the error object on stdout. The
+    command blocks reading its --rules file (a FIFO), so the signal lands mid-command."""
+    fifo = tmp_path / "rules.toml"
+    os.mkfifo(fifo)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    p = subprocess.Popen([sys.executable, "-m", "ckptctl", "reshard", str(tmp_path / "src"),
+                          str(tmp_path / "dst"), "--mesh", "dp=2", "--rules", str(fifo),
+                          "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:  # opening the write end succeeds once ckptctl holds the read end
+            try:
+                fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+                time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+        os.close(fd)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, (out, err)
+    assert err.strip().splitlines() == ["ckptctl: interrupted"], err
+    doc = json.loads(out)
+    assert doc == {"schema_version": 1, "error": {"code": "INTERRUPTED", "exit_code": 130,
+                                                  "message": "interrupted", "path": None}}
+
+
+def test_every_command_with_json_is_covered():
+    """A new command with --json must get its success and failure tests here."""
+    import typer
+
+    from ckptctl.cli.main import app
+
+    group = typer.main.get_command(app)
+    with_json = {name for name, cmd in group.commands.items()
+                 if any("--json" in p.opts for p in cmd.params)}
+    covered = {"ls", "inspect", "verify", "seal", "reshard", "consolidate"}
+    assert with_json == covered, with_json ^ covered
