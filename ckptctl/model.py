@@ -13,6 +13,7 @@ holds it. An :class:`ObjectEntry` is an opaque payload (pickled scalars, RNG sta
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Iterable
 
@@ -265,3 +266,24 @@ def _mesh_guess(splits: dict[tuple[int, ...], int], dims: dict[str, int],
     if total != nfiles:
         return f"{total}-way"
     return f"tp={total}" if any(d != "dim 0" for d in dims) else f"dp={total}"
+
+
+# --------------------------------------------------------------------------- names
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def natural_key(name: str) -> tuple:
+    """Sort key of a dotted name in natural order, the one order every listing uses
+    (``inspect``'s tensors, objects and tree, ``ls``): numbers compare as numbers, dotted
+    parts one by one, so a module comes right before what it holds.
+
+    >>> sorted(["layers.10.w", "layers.2.w", "layers", "layers.2", "embed"], key=natural_key)
+    ['embed', 'layers', 'layers.2', 'layers.2.w', 'layers.10.w']
+    >>> sorted(["step-100", "step-20", "step-3"], key=natural_key)
+    ['step-3', 'step-20', 'step-100']
+    """
+    return tuple(tuple((0, int(p), p) if p.isdigit() else (1, 0, p)
+                       for p in _DIGITS.split(part) if p)
+                 for part in name.split("."))
