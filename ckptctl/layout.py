@@ -146,6 +146,7 @@ class Rule:
     regex: bool = False
     allow_empty: bool = False  # may leave ranks with empty shards (as FSDP2 does)
     _re: re.Pattern | None = field(default=None, repr=False)
+    label: str | None = None  # a short name for reports (presets); else the pattern
 
     def matches(self, name: str) -> bool:
         if self.regex:
@@ -226,10 +227,10 @@ def _check_fits(name: str, shape, p: Placement, mesh: Mesh, rule: Rule) -> None:
                              f"into {k} shards (more shards than elements)")
 
 
-def _rule(pattern: str, order=None, **shard) -> Rule:
+def _rule(pattern: str, order=None, label: str | None = None, **shard) -> Rule:
     regex = pattern.startswith("re:")
     return Rule(pattern[3:] if regex else pattern, shard, tuple(order) if order else None, regex,
-                allow_empty=True)
+                allow_empty=True, label=label)
 
 
 # Tensor-parallel naming schemes: column-parallel (shard dim 0 of the weight), row-parallel
@@ -255,10 +256,15 @@ def preset(name: str, mesh: Mesh) -> Rules:
             raise UsageError(f"preset {name} needs a mesh dim named tp")
         dp = {"dp": 0} if has_dp else {}
         order = ("tp", "dp") if has_dp else None
-        rules = [_rule(_COLWISE, order, tp=0, **dp), _rule(_ROWWISE, order, tp=1, **dp),
-                 _rule(_VOCAB, order, tp=0, **dp), _rule(_HEAD, order, tp=0, **dp)]
+        rules = [_rule(_COLWISE, order, "column-parallel (wq, q_proj, w1, up_proj, ...)",
+                       tp=0, **dp),
+                 _rule(_ROWWISE, order, "row-parallel (wo, o_proj, w2, down_proj, ...)",
+                       tp=1, **dp),
+                 _rule(_VOCAB, order, "vocab embedding (tok_embeddings, embed_tokens, ...)",
+                       tp=0, **dp),
+                 _rule(_HEAD, order, "output head (output, lm_head, embed_out)", tp=0, **dp)]
         if has_dp:
-            rules.append(_rule("*", dp=0))
+            rules.append(_rule("*", dp=0, label="everything else"))
         return Rules(mesh, rules, name, parts=("model", "optim"))
     raise UsageError(f"unknown rules preset {name!r} (built in: fsdp, llama, tp)")
 

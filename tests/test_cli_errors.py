@@ -155,3 +155,9 @@ def test_ls_of_one_checkpoint_file_lists_it(cli, tmp_path, torch_ckpts):
     (row,) = json.loads(out)["checkpoints"]
     assert (row["name"], row["url"], row["format"], row["state"], row["num_files"]) == \
         ("model.safetensors", str(st), "safetensors", "complete", 1)
+
+
+def test_nested_storage_option_given_flat_is_a_usage_error(cli):
+    code, out, err = cli("ls", "s3://bucket/x", "-o", "config_kwargs=read_timeout")
+    assert code == 2 and err.count("\n") == 1, err
+    assert "config_kwargs.read_timeout" in err and "internal error" not in err

@@ -87,17 +87,29 @@ def check_size(value: str | None) -> str | None:
     return value
 
 
-def print_table(headers: list[str], rows: list[list[str]], title: str | None = None) -> None:
-    """A rich table on a TTY; plain tab-free aligned columns otherwise."""
+def print_table(headers: list[str], rows: list[list[str]], title: str | None = None, *,
+                fold: tuple[int, ...] = ()) -> None:
+    """A rich table on a TTY; plain tab-free aligned columns otherwise (never wrapped).
+
+    On a TTY only the ``fold`` columns (free text: messages, values) wrap, at spaces or
+    inside a long word; names and numbers keep their width, the table growing past the
+    terminal's width rather than break a name mid-word.
+    """
     if is_tty():
         from rich.table import Table
+        from rich.text import Text
 
         t = Table(title=title, show_edge=False, pad_edge=False)
-        for h in headers:
-            t.add_column(h, overflow="fold")
-        for r in rows:
-            t.add_row(*r)
-        console().print(t)
+        for i, h in enumerate(headers):
+            t.add_column(h, no_wrap=i not in fold, overflow="fold")
+        for r in rows:  # Text: a name such as "[model.w]" is not rich markup
+            t.add_row(*(Text(str(x)) for x in r))
+        out = console()
+        natural = [max(len(str(x)) for x in col) for col in zip(headers, *rows)]
+        need = sum(min(w, 30) if i in fold else w for i, w in enumerate(natural)) \
+            + 3 * (len(headers) - 1)
+        out.width = max(out.width, need)
+        out.print(t)
         return
     if title:
         print(title)

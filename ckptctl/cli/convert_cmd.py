@@ -25,7 +25,9 @@ def reshard(
                                        help="Target mesh in DeviceMesh order, e.g. dp=8,tp=4."),
     rules: Optional[str] = typer.Option(None, "--rules", metavar="PRESET|FILE",
                                         help="Placement rules: fsdp, llama (alias tp), or a "
-                                             "TOML file of [[rule]] tables."),
+                                             "TOML file of [[rule]] tables. Default: fsdp "
+                                             "for a dp-only mesh, else llama (the output "
+                                             "names the rules used)."),
     world_size: Optional[int] = typer.Option(None, "--world-size", metavar="N",
                                              help="Shorthand for --mesh dp=N --rules fsdp."),
     max_memory: str = MaxMemOpt,
@@ -50,14 +52,25 @@ def reshard(
     from ..ops import reshard as do_reshard
 
     CTX.quiet = quiet
-    with byte_progress("reshard", None, enabled=not (json or quiet or dry_run)) as cb:
+    with byte_progress("reshard", enabled=not (json or quiet or dry_run)) as cb:
         r = do_reshard(src, dst, mesh=mesh, rules=rules, world_size=world_size,
                        max_memory=max_memory, workers=workers, dry_run=dry_run, force=force,
-                       storage_options=storage_options(storage_option), on_bytes=cb)
+                       storage_options=storage_options(storage_option),
+                       on_bytes=cb, on_total=cb and cb.total)
     if json:
         emit_json(r.to_dict())
         return
+    say(f"rules: {r.rules['note']}")
     if dry_run:
+        rep = r.rules
+        print_table(["rule", "placements", "tensors", "e.g."],
+                    [[m["rule"], m["placements"], str(m["tensors"]),
+                      _first(m["examples"], m["tensors"]) or "(matched nothing)"]
+                     for m in rep["matched"]]
+                    + [["(no rule)", "Replicate()", str(rep["replicated"]),
+                        _first(rep["replicated_examples"], rep["replicated"])]],
+                    title=f"rules {rep['name']}: what each matched (the first match wins); "
+                          f"{plural(rep['replicated'], 'tensor')} stay replicated")
         print_table(["rank", "chunks", "read", "write", "reads from"],
                     [[str(x["rank"]), str(x["chunks"]), human_bytes(x["read_bytes"]),
                       human_bytes(x["write_bytes"]), ", ".join(x["read_files"][:4])
@@ -67,6 +80,11 @@ def reshard(
     say(f"{r.dst}: {plural(r.world_size, 'rank')} ({r.mesh}), {plural(r.num_chunks, 'chunk')}, "
         f"{human_bytes(r.bytes)} in {plural(r.num_files, 'file')} ({r.seconds:.2f}s)")
     say(f"id {r.manifest_id}")
+
+
+def _first(names: list[str], count: int) -> str:
+    """One example name, and "..." when there are more."""
+    return (names[0] + (", ..." if count > 1 else "")) if names else ""
 
 
 @app.command()
@@ -82,6 +100,11 @@ def consolidate(
                                         help="Cast floating tensors: bf16, fp16, fp32."),
     strip_prefix: Optional[str] = typer.Option(None, "--strip-prefix", metavar="PREFIX",
                                                help="Drop this prefix from names (model.)."),
+    include: Optional[List[str]] = typer.Option(
+        None, "--include", metavar="GLOB",
+        help="--to safetensors: also carry the source folder's top-level files matching "
+             "GLOB (repeatable); config, generation config and tokenizer files are carried "
+             "by default."),
     max_shard_size: str = typer.Option("5GB", "--max-shard-size", metavar="SIZE", callback=check_size,
                                        help="safetensors: largest file before a new shard."),
     max_memory: str = MaxMemOpt,
@@ -94,22 +117,28 @@ def consolidate(
     """Write one full tensor per entry (safetensors, torch.save or DCP), then seal it.
 
     safetensors output follows the HF convention: model.safetensors, or
-    model-00001-of-0000N.safetensors + model.safetensors.index.json.
+    model-00001-of-0000N.safetensors + model.safetensors.index.json; files are named
+    after what they hold (--only optim writes optim.safetensors). When it holds the
+    model, the source folder's config.json, generation_config.json and tokenizer files
+    (tokenizer*.json, special_tokens_map.json, vocab/merges, *.model) come along, listed
+    in the manifest like the weights.
 
     \b
     EXAMPLES
       ckptctl consolidate ckpt/ hf/ --only model --strip-prefix model.
       ckptctl consolidate ckpt/ model.pt --to torch --only model --dtype bf16
       ckptctl consolidate s3://runs/llama/step-12000 hf/ --max-shard-size 2GB
+      ckptctl consolidate hf-run/checkpoint-500 hf/ --include 'README.md'
     """
     from ..ops import consolidate as do_consolidate
 
     CTX.quiet = quiet
-    with byte_progress("consolidate", None, enabled=not (json or quiet)) as cb:
+    with byte_progress("consolidate", enabled=not (json or quiet)) as cb:
         r = do_consolidate(src, dst, to=to, only=only, dtype=dtype, strip_prefix=strip_prefix,
                            max_shard_size=max_shard_size, max_memory=max_memory,
                            workers=workers, force=force,
-                           storage_options=storage_options(storage_option), on_bytes=cb)
+                           storage_options=storage_options(storage_option),
+                           on_bytes=cb, on_total=cb and cb.total, include=include)
     if json:
         emit_json(r.to_dict())
         return
@@ -117,5 +146,7 @@ def consolidate(
                "stored" if r.objects_skipped else "")
     say(f"{r.dst}: {r.to}, {plural(r.num_tensors, 'tensor')}, {plural(r.num_objects, 'object')}"
         f"{skipped}; {human_bytes(r.bytes)} in {', '.join(r.files)} ({r.seconds:.2f}s)")
+    if r.side_files:
+        say(f"side files carried from the source: {', '.join(r.side_files)}")
     if r.manifest_id:
         say(f"id {r.manifest_id}")

@@ -3,6 +3,7 @@ errors into messages and exit codes (DESIGN.md)."""
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import NoReturn
 
 import typer
@@ -102,7 +103,10 @@ def main(argv: list[str] | None = None) -> None:
         _quiet_library_logs()
     previous = _sigterm_as_interrupt()
     try:
-        _run(args, as_json=_wants_json(args))
+        with warnings.catch_warnings():
+            if not CTX.debug:  # a library's warning (torch.load of an odd file) is not ours
+                warnings.simplefilter("ignore")
+            _run(args, as_json=_wants_json(args))
     finally:
         if previous is not None:  # an in-process caller (tests, a library user) keeps its own
             import signal

@@ -60,16 +60,15 @@ def verify(
 
     CTX.quiet = quiet
     opts = storage_options(storage_option)
-    with byte_progress("verify", None, enabled=level == Level.full and not (json or quiet)) as cb:
+    with byte_progress("verify", enabled=level == Level.full and not (json or quiet)) as bar:
         r = do_verify(url, opts, level=level.value, require=require, check_finite=check_finite,
-                      sample=sample, workers=workers, on_bytes=cb)
+                      sample=sample, workers=workers, on_bytes=bar, on_total=bar and bar.total)
     if json:
         emit_json(r.to_dict())
     elif not quiet:
         if r.problems:
-            print_table(["code", "severity", "where", "message"],
-                        [[p.code, p.severity, (p.path or "") + (f" [{p.entry}]" if p.entry else ""),
-                          p.message] for p in r.problems])
+            print_table(["code", "severity", "where", "message"], problem_rows(r.problems),
+                        fold=(3,))
         state = "OK" if r.ok else plural(len(r.problems), "problem")
         proven = f"content: {CONTENT_WORDS.get(r.content, r.content)}; " if r.content else ""
         say(f"{r.url}: {state} ({r.level}; {r.format or 'unknown format'}, "
@@ -77,6 +76,35 @@ def verify(
             f"{human_bytes(r.bytes_read)} read in {r.seconds:.2f}s)")
     if not r.ok:
         raise typer.Exit(EXIT_FINDING)
+
+
+def problem_rows(problems: list, first: int = 3) -> list[list[str]]:
+    """Table rows of verify's problems grouped by code, in the order codes first appear:
+    a code seen more than ``first`` times shows its count, ``first`` examples and a
+    ``(+N more)`` row (``--json`` keeps every problem).
+
+    >>> from ckptctl.ops.verify import Problem
+    >>> ps = [Problem("SIZE_MISMATCH", "error", f"f{i}", None, "short") for i in range(5)]
+    >>> for row in problem_rows(ps + [Problem("STRAY_TEMP", "warning", "t", None, "x")]):
+    ...     print(row[:3])
+    ['SIZE_MISMATCH (5)', 'error', 'f0']
+    ['', 'error', 'f1']
+    ['', 'error', 'f2']
+    ['', '', '(+2 more)']
+    ['STRAY_TEMP', 'warning', 't']
+    """
+    groups: dict[str, list] = {}
+    for p in problems:
+        groups.setdefault(p.code, []).append(p)
+    rows = []
+    for code, ps in groups.items():
+        for i, p in enumerate(ps[:first]):
+            rows.append([(f"{code} ({len(ps)})" if len(ps) > 1 else code) if i == 0 else "",
+                         p.severity, (p.path or "") + (f" [{p.entry}]" if p.entry else ""),
+                         p.message])
+        if len(ps) > first:
+            rows.append(["", "", f"(+{len(ps) - first} more)", ""])
+    return rows
 
 
 #: What a full verify proved, in words.
@@ -91,11 +119,18 @@ CONTENT_WORDS = {
 @app.command()
 def seal(
     url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder: path, file://, s3://..."),
-    hash: HashAlgo = typer.Option(HashAlgo.xxh3, "--hash", help="Content hash of each file."),
+    hash: Optional[HashAlgo] = typer.Option(None, "--hash", help="Content hash of each file "
+                                            "(default xxh3-128; --update keeps the "
+                                            "manifest's)."),
     step: Optional[int] = typer.Option(None, "--step", help="Step to record (default: the "
                                        "checkpoint's step entry, else its name)."),
     tag: Optional[List[str]] = typer.Option(None, "--tag", metavar="TAG",
                                             help="Tag to record, repeatable."),
+    update: bool = typer.Option(False, "--update",
+                                help="Reseal a sealed checkpoint after files were added on "
+                                     "purpose: every listed file must still match its hash; "
+                                     "the new files are hashed and the manifest replaced "
+                                     "atomically (step and tags kept unless given)."),
     workers: int = typer.Option(4, "--workers", min=1, help="Parallel hashers."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -104,23 +139,33 @@ def seal(
     """Write the hash manifest (the commit marker) of a checkpoint, last and atomically.
 
     Refuses (exit 1) a checkpoint that is incomplete or inconsistent. Sealing a sealed
-    checkpoint verifies it against its manifest instead.
+    checkpoint verifies it against its manifest instead, and names the files the
+    manifest does not list (EXTRA_FILE); --update adds them to it.
 
     \b
     EXAMPLES
       ckptctl seal ckpt/step-20 --tag release
       ckptctl seal s3://runs/llama/step-12000 --hash sha256 --step 12000
+      cp tokenizer.json ckpt/step-20/ && ckptctl seal --update ckpt/step-20
     """
     from ..ops import seal as do_seal
 
     CTX.quiet = quiet
-    with byte_progress("seal", None, enabled=not (json or quiet)) as cb:
-        r = do_seal(url, storage_options(storage_option), hash=hash.value, step=step, tags=tag or [],
-                    workers=workers, on_bytes=cb)
+    with byte_progress("seal", enabled=not (json or quiet)) as bar:
+        r = do_seal(url, storage_options(storage_option), hash=hash and hash.value, step=step,
+                    tags=tag or [], workers=workers, on_bytes=bar, on_total=bar and bar.total,
+                    update=update)
     if json:
         emit_json(r.to_dict())
         return
-    what = "sealed" if r.action == "sealed" else "already sealed; verified against its manifest"
+    what = {"sealed": "sealed", "updated": "resealed (manifest updated)"}.get(
+        r.action, "already sealed; verified against its manifest")
+    extra = [p for p in r.problems if p.code == "EXTRA_FILE"]
+    for p in r.problems:
+        say(f"{p.severity}: {p.code}: {p.path or ''}: {p.message}")
+    if extra:
+        say(f"{plural(len(extra), 'file')} not in the manifest: seal --update adds "
+            f"{'it' if len(extra) == 1 else 'them'} (after checking the listed files)")
     say(f"{r.url}: {what}: {plural(r.num_files, 'file')}, {human_bytes(r.bytes)}, {r.hash}, "
         f"step {r.step if r.step is not None else '-'} ({r.seconds:.2f}s)")
     say(f"id {r.manifest_id}")

@@ -16,7 +16,7 @@ from __future__ import annotations
 import posixpath
 import re
 
-from ..errors import UnsupportedFormatError
+from ..errors import CkptError, FormatError, UnsupportedFormatError
 from ..model import Checkpoint
 from ..storage import Store, open_store
 from . import composite, dcp, safetensors, torchsave
@@ -55,6 +55,46 @@ def detect_format(files: dict[str, int]) -> str | None:
         return "safetensors"
     if any(torchsave.is_torch_file(f) for f in files):
         return "torch"
+    return None
+
+
+def not_a_checkpoint(store: Store, rel: str, size: int) -> str | None:
+    """Why the torch-suffixed file ``rel`` is no checkpoint at all, from its first bytes
+    (and a zip's directory), or None when it may be one (a damaged checkpoint stays one).
+
+    A TorchScript archive (``torch.jit.save``: ``constants.pkl`` and ``code/`` records), a
+    ``.pth`` text file (a Python path file). Anything else that fails to load may be a
+    damaged checkpoint and is reported as such. One or two small reads; ``ls`` skips such
+    files instead of calling them corrupt.
+    """
+    from .torchzip import TAIL_GUESS, central_directory
+
+    if size == 0:
+        return None
+    head = store.read_range(rel, 0, min(size, 512))
+    if head.startswith(torchsave.ZIP_MAGIC):
+        try:
+            tail = store.read_range(rel, max(0, size - TAIL_GUESS), size)
+            entries, need = central_directory(tail, size)
+            if need:
+                entries, _ = central_directory(store.read_range(rel, size - need, size), size)
+        except CkptError:  # a damaged zip: a damaged checkpoint
+            return None
+        records = {e.name.split("/", 1)[-1] for e in entries}
+        if "constants.pkl" in records or any(r.startswith("code/") for r in records):
+            return "a TorchScript archive (torch.jit.save), not a state dict"
+        return None
+    if not rel.endswith(".pth") or head[:1] == b"\x80":  # a pickle: a torch.save file
+        return None
+    text = None
+    for cut in range(4):  # the 512 bytes may end inside a character
+        try:
+            text = head[:len(head) - cut].decode("utf-8")
+            break
+        except UnicodeDecodeError:
+            continue
+    if text and all(c.isprintable() or c in "\t\r\n" for c in text):
+        return "a text file (a Python .pth path file), not a torch.save file"
     return None
 
 
@@ -99,7 +139,13 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
     elif fmt == "safetensors" and single:
         ck = safetensors.read_safetensors(store, files, single)
     elif fmt == "torch" and single:
-        ck = torchsave.read_torch(store, files, single)
+        try:
+            ck = torchsave.read_torch(store, files, single)
+        except FormatError:  # say so when it is not a checkpoint at all (TorchScript...)
+            why = not_a_checkpoint(store, single, files[single])
+            if why:
+                raise UnsupportedFormatError(url, f"not a checkpoint: {why}") from None
+            raise
     elif fmt in ("composite", "safetensors", "torch"):
         ck = composite.read_folder(store, files)
     else:

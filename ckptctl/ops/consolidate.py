@@ -9,6 +9,7 @@ single-rank DCP checkpoint; streamed in row blocks with bounded memory, then sea
 from __future__ import annotations
 
 import io
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
@@ -24,6 +25,7 @@ from ..storage import HashingWriter, Store, open_store, split_url
 from .closure import classify, parse_parts
 from .copier import (BlockStream, commit_output, copy_to_dcp, dtype_converter, object_payload,
                      stream_depth)
+from .inspect import few_names
 from .output import OutputDir
 from .planner import consolidation_plan
 from .reshard import DEFAULT_MAX_MEMORY, parse_size
@@ -44,6 +46,7 @@ class ConsolidateResult:
     seconds: float
     manifest_id: str | None = None
     renamed: dict[str, str] = field(default_factory=dict)
+    side_files: list[str] = field(default_factory=list)  # carried from SRC (in ``files`` too)
     num_files: int = field(init=False, default=0)
 
     def __post_init__(self):
@@ -71,6 +74,70 @@ def _target_dtype(dtype: str | None):
     return d.name
 
 
+#: Files of an HF model folder that are not weights but belong with them; carried by
+#: ``consolidate --to safetensors`` when the output holds the model part.
+SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json",
+              "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+              "vocab.json", "vocab.txt", "merges.txt", "*.model", "chat_template.jinja",
+              "chat_template.json", "preprocessor_config.json")
+
+
+def output_stem(names: list[str]) -> str:
+    """The safetensors file stem for the selected tensors: what they hold.
+
+    >>> output_stem(["model.w", "optim.state.w.exp_avg"]), output_stem(["optim.state.w.exp_avg"])
+    ('model', 'optim')
+    >>> output_stem(["rng.cpu", "optim.state.w.step"]), output_stem(["lm_head.weight"])
+    ('state', 'model')
+    """
+    parts = {classify(n) for n in names}
+    if not parts or "model" in parts:
+        return "model"
+    return parts.pop() if len(parts) == 1 else "state"
+
+
+def side_files(ck: Checkpoint, include: list[str], *, defaults: bool = True) -> list[str]:
+    """The side files of ``ck``'s folder to carry: the :data:`SIDE_FILES` at its top level
+    (``defaults``: the output holds the model), plus every file an ``include`` glob
+    matches. A glob that matches nothing, or matches checkpoint data, is refused."""
+    import fnmatch
+
+    from ..formats.dcp import METADATA
+    from ..formats.manifest import MANIFEST, WRITING_MARKER, is_temp_name
+
+    data = {c.extent.file for t in ck.tensors.values() for c in t.chunks if c.extent}
+    data |= {o.extent.file for o in ck.objects.values() if o.extent}
+    candidates = sorted(f for f in ck.files if "/" not in f and not is_temp_name(f)
+                        and f not in (MANIFEST, WRITING_MARKER))  # top-level files only
+    out = [f for f in candidates if defaults and f not in data
+           and any(fnmatch.fnmatchcase(f, g) for g in SIDE_FILES)]
+    for g in include:
+        hit = [f for f in candidates if fnmatch.fnmatchcase(f, g)]
+        if not hit:
+            raise UsageError(f"--include {g!r} matches no file of {ck.root} (files: "
+                             f"{few_names(candidates)})")
+        for f in hit:
+            if f in data or f == METADATA or f.endswith((".safetensors", ".index.json")):
+                raise UsageError(f"--include {g!r} matches {f}, which is checkpoint data: "
+                                 "the conversion writes its own")
+            if f not in out:
+                out.append(f)
+    return sorted(out)
+
+
+def _copy_file(src: Store, rel: str, size: int, od: OutputDir,
+               block: int = 8 << 20) -> tuple[str, int]:
+    """Copy one file through ``od`` (durable once closed); its (digest, size)."""
+    with od.open(rel) as f:
+        w = HashingWriter(f)
+        if size <= block:
+            w.write(src.read(rel))
+        else:
+            for start in range(0, size, block):
+                w.write(src.read_range(rel, start, min(size, start + block)))
+    return w.result()
+
+
 def _out_name(name: str, strip: str | None) -> str:
     return name[len(strip):] if strip and name.startswith(strip) else name
 
@@ -80,11 +147,16 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                 max_shard_size: int | str = "5GB", max_memory: int | str = DEFAULT_MAX_MEMORY,
                 workers: int = 4, storage_options: dict | None = None,
                 dst_storage_options: dict | None = None, force: bool = False,
-                on_bytes: Callable[[int], None] | None = None) -> ConsolidateResult:
+                on_bytes: Callable[[int], None] | None = None,
+                on_total: Callable[[int], None] | None = None,
+                include: list[str] | None = None) -> ConsolidateResult:
     """Write every selected entry of ``src`` whole, into ``dst`` in format ``to``.
 
     ``dst`` must be new or empty (a new file name for ``--to torch x.pt``); ``force``
-    replaces what is there."""
+    replaces what is there. ``--to safetensors`` names its files after what they hold
+    (``model.safetensors``; ``optim.safetensors`` for ``only="optim"``) and carries the
+    source folder's side files (:data:`SIDE_FILES`, plus ``include`` globs) when it holds
+    the model."""
     t0 = time.monotonic()
     if to not in TARGETS:
         raise UsageError(f"--to must be one of {', '.join(TARGETS)}")
@@ -103,7 +175,21 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                          "cannot store; select tensors only with --only model, or keep them "
                          "with --to torch")
     refuse_opaque(ck, objects, verb="consolidate")
+    if strip_prefix is not None and not any(n.startswith(strip_prefix) for n in tensors + objects):
+        raise UsageError(f"--strip-prefix {strip_prefix!r} matches no selected entry (names: "
+                         f"{few_names(tensors + objects)})", src)
+    if to == "dcp" and strip_prefix is not None:
+        raise UsageError("--strip-prefix renames entries of a safetensors or torch output; "
+                         "--to dcp keeps the names")
+    if include and to != "safetensors":
+        raise UsageError("--include carries side files into a --to safetensors (HF) folder "
+                         f"only; --to {to} carries none")
+    side = side_files(ck, include or [], defaults=to == "safetensors"
+                      and output_stem(tensors) == "model")
     plan = consolidation_plan(ck, only=set(tensors) | set(objects))
+    if on_total:  # the tensor bytes the plan writes (on_bytes also counts headers, objects)
+        on_total(sum(DTYPES[conv_to].nbytes(math.prod(c.sizes))
+                     if conv_to and c.dtype.kind == "float" else c.nbytes for c in plan.chunks))
     opts = dst_storage_options or storage_options
     if to == "dcp":
         done = copy_to_dcp(ck, plan, dst, max_memory=max_memory, workers=workers,
@@ -136,14 +222,16 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                            strip_prefix, on_bytes, force)
     else:
         out = _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype,
-                                 parse_size(max_shard_size), workers, on_bytes, force)
+                                 parse_size(max_shard_size), workers, on_bytes, force,
+                                 stem=output_stem(tensors), side=side)
     mid = out.manifest_id
     skipped = 0 if to == "torch" else len(objects)
     return ConsolidateResult(src, dst, to, sorted(out.hashes), len(tensors),
                              len(objects) - skipped, skipped,
                              sum(n for _, n in out.hashes.values()),
                              round(time.monotonic() - t0, 3), mid,
-                             {k: v for k, v in renamed.items() if k != v})
+                             {k: v for k, v in renamed.items() if k != v},
+                             side if to == "safetensors" else [])
 
 
 @dataclass
@@ -162,7 +250,8 @@ def _finish(od: OutputDir, ck: Checkpoint, hashes: dict, folder: bool) -> _Writt
 
 
 def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_shard,
-                       workers, on_bytes, force) -> _Written:
+                       workers, on_bytes, force, *, stem: str = "model",
+                       side: list[str] = ()) -> _Written:
     entries = []
     for n in tensors:
         d = DTYPES[out_dtype(n)]
@@ -173,7 +262,7 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_s
     by_out = {renamed[n]: n for n in tensors}
     entries.sort(key=lambda e: e[0])
     shards = split_shards(entries, max_shard)
-    names = shard_names(len(shards))
+    names = shard_names(len(shards), stem)
     nstreams = max(1, min(workers, len(shards)))
     with OutputDir(open_store(dst, opts), command="consolidate --to safetensors",
                    force=force, source=ck.root) as od:
@@ -186,12 +275,15 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_s
             return fname, w.result()
 
         hashes = dict(od.map(one, zip(shards, names), nstreams))
+        for rel in side:  # config, tokenizer...: data too, durable before the index
+            hashes[rel] = _copy_file(ck.store, rel, ck.files[rel], od)
         if len(shards) > 1:
             data = index_json(shards, names)
-            od.write_atomic("model.safetensors.index.json", data)
+            index = f"{stem}.safetensors.index.json"
+            od.write_atomic(index, data)
             from ..storage import digest_bytes
 
-            hashes["model.safetensors.index.json"] = (digest_bytes(data), len(data))
+            hashes[index] = (digest_bytes(data), len(data))
         return _finish(od, ck, hashes, True)
 
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import fnmatch
 from dataclasses import asdict, dataclass, field
 
-from ..errors import shorten
+from ..errors import UsageError, shorten
 from ..formats import open_checkpoint, read_object
 from ..formats.composite import OPAQUE
-from ..model import Checkpoint, layout_summary
+from ..model import Checkpoint, layout_summary, natural_key
 from .closure import PARTS, classify, is_parameter
 
 
@@ -83,7 +83,7 @@ def _tree(tensors: list[TensorInfo], params: set[str]) -> list[TreeNode]:
             node[0] += 1
             node[1] += numel if t.name in params else 0
             node[2] += t.bytes
-    return [TreeNode(p, *v) for p, v in sorted(acc.items())]
+    return [TreeNode(p, *acc[p]) for p in sorted(acc, key=natural_key)]
 
 
 def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool = False,
@@ -132,7 +132,8 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
                 info.value = None
                 info.type = info.type or f"opaque ({getattr(e, 'message', type(e).__name__)})"
         objects.append(info)
-    shown = [t for t in tensors if keep(t.name)]
+    objects.sort(key=lambda o: natural_key(o.name))
+    shown = sorted((t for t in tensors if keep(t.name)), key=lambda t: natural_key(t.name))
     lay = layout_summary(ck)
     meta = ck.info.get("metadata") or {}
     return InspectResult(
@@ -159,4 +160,20 @@ def inspect(url: str, storage_options: dict | None = None, *, filter: str | None
             show_objects: bool = False, tree: bool = False) -> InspectResult:
     """Open ``url`` (metadata only) and summarise it."""
     ck = open_checkpoint(url, storage_options)
-    return summarize(ck, filter=filter, show_objects=show_objects, tree=tree)
+    r = summarize(ck, filter=filter, show_objects=show_objects, tree=tree)
+    if filter is not None and not r.tensors and not r.objects:
+        raise UsageError(f"--filter {filter!r} matches no entry (a glob over whole names; "
+                         f"entries: {few_names(list(ck.tensors) + list(ck.objects))})",
+                         ck.root)
+    return r
+
+
+def few_names(names, n: int = 3) -> str:
+    """The first ``n`` names, sorted, for an error message.
+
+    >>> few_names(["b", "a", "c", "d"])
+    'a, b, c, ... (4 in all)'
+    """
+    names = sorted(names)
+    shown = ", ".join(names[:n])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > n else "") if names else "none"

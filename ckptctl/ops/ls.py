@@ -15,11 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from ..errors import CkptError, NotFoundError, StorageError, UnsupportedFormatError
-from ..formats.detect import detect_format, step_from_name
+from ..formats.detect import detect_format, not_a_checkpoint, step_from_name
 from ..formats.manifest import MANIFEST, WRITING_MARKER
 from ..formats.torchsave import is_torch_file
+from ..model import natural_key
 from ..storage import open_store
-from .state import CORRUPT, StateReport, checkpoint_state
+from .state import CORRUPT, UNKNOWN, StateReport, checkpoint_state
 
 _HF_BIN = re.compile(r"^pytorch_model(-\d+-of-\d+)?\.bin$")
 
@@ -111,7 +112,9 @@ def _lone_file(store, root: str, storage_options: dict | None) -> tuple:
 
 
 def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> LsResult:
-    """List the checkpoints under ``root``, sorted by step (then name)."""
+    """List the checkpoints under ``root``, sorted by step, then name in natural order
+    (:func:`~ckptctl.model.natural_key`). Files with a checkpoint's suffix that are no
+    checkpoint (TorchScript archives, ``.pth`` path files) are skipped, not called corrupt."""
     store = open_store(root, storage_options)
     files = store.list_files()
     shown_root, lone = store.url, False
@@ -124,7 +127,9 @@ def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> L
     if lone and "" in groups:  # one safetensors file: listed as itself, not as its folder
         groups = {next(iter(files)): groups[""]}
 
-    def row(rel: str) -> CheckpointRow:
+    skipped: dict[str, str] = {}
+
+    def row(rel: str) -> CheckpointRow | None:
         url = store.display(rel) if rel else store.url
         try:
             rep = checkpoint_state(url, storage_options, located=_located(store, rel, groups[rel]))
@@ -132,6 +137,11 @@ def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> L
             raise  # the storage itself failed: not a finding about one checkpoint
         except CkptError as e:  # one bad checkpoint never hides the others
             rep = StateReport(CORRUPT, f"{e.code}: {e}", None, None)
+        if rep.state in (CORRUPT, UNKNOWN) and rel in groups[rel]:  # a lone file unloaded:
+            why = not_a_checkpoint(store, rel, groups[rel][rel])  # TorchScript, .pth text?
+            if why:  # not listed (healthy files cost no extra read)
+                skipped[rel] = why
+                return None
         step = rep.step if rep.step is not None else step_from_name(rel or root)
         fmt = rep.format or detect_format(  # a lone file keeps its name (relpath gives ".")
             {posixpath.basename(k) if k == rel else posixpath.relpath(k, rel) if rel else k: v
@@ -147,6 +157,9 @@ def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> L
                              len(groups[rel]), mtime)
 
     with ThreadPoolExecutor(max(1, min(workers, len(groups)))) as pool:
-        rows = list(pool.map(row, sorted(groups)))
-    rows.sort(key=lambda r: (r.step is None, r.step if r.step is not None else 0, r.name))
+        rows = [r for r in pool.map(row, sorted(groups)) if r is not None]
+    if lone and not rows:
+        raise UnsupportedFormatError(root, f"not a checkpoint: {next(iter(skipped.values()))}")
+    rows.sort(key=lambda r: (r.step is None, r.step if r.step is not None else 0,
+                             natural_key(r.name)))
     return LsResult(shown_root, rows)

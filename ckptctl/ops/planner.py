@@ -26,6 +26,7 @@ from ..boxes import intersect, numel, relative
 from ..errors import FormatError, ProblemCode
 from ..layout import Mesh, Placement, Rules, local_box
 from ..model import Checkpoint, Chunk, DType, TensorEntry
+from ..parts import classify
 
 
 @dataclass(frozen=True)
@@ -133,6 +134,59 @@ def make_plan(ck: Checkpoint, rules: Rules, *, only: set[str] | None = None) -> 
     return Plan(mesh, tuple(chunks),
                 MappingProxyType({n: p.describe(mesh) for n, p in placed.items()}),
                 tuple(sorted(n for n in ck.objects if only is None or n in only)))
+
+
+@dataclass(frozen=True)
+class RuleMatch:
+    """What one rule placed: how many tensors it matched (the first rule to match wins)."""
+
+    rule: str  # its label (presets), else its pattern
+    pattern: str  # ``re:`` before a regex
+    placements: str  # e.g. ``tp:Shard(0) dp:Shard(0)``
+    tensors: int
+    examples: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RuleReport:
+    """Per rule, what it matched; and the tensors no rule shards (they stay replicated)."""
+
+    matched: tuple[RuleMatch, ...]
+    replicated: int
+    replicated_examples: tuple[str, ...]
+
+
+def rule_report(ck: Checkpoint, rules: Rules, plan: Plan, *, examples: int = 3) -> RuleReport:
+    """What each rule of ``rules`` matched among the tensors ``plan`` places.
+
+    >>> from ckptctl.model import Checkpoint, TensorEntry, DTYPES
+    >>> from ckptctl.layout import parse_mesh, preset
+    >>> t = lambda n: TensorEntry(n, DTYPES["float32"], (4, 4), [])
+    >>> ck = Checkpoint("x", "dcp", tensors={n: t(n) for n in ["model.a.wq.weight", "model.b.w"]})
+    >>> rules = preset("llama", parse_mesh("tp=2"))
+    >>> plan = Plan(rules.mesh, (), {n: "" for n in ck.tensors})
+    >>> r = rule_report(ck, rules, plan)
+    >>> [(m.tensors, m.examples) for m in r.matched][:2], r.replicated, r.replicated_examples
+    ([(1, ('model.a.wq.weight',)), (0, ())], 1, ('model.b.w',))
+    """
+    hits: dict[int, list[str]] = {i: [] for i in range(len(rules.rules))}
+    replicated: list[str] = []
+    for name in sorted(plan.placements):
+        rule = rules.rule_for(name) if ck.tensors[name].shape else None
+        if rule is not None:
+            hits[next(i for i, r in enumerate(rules.rules) if r is rule)].append(name)
+        if rule is None or all(d is None for d in rule.shard.values()):
+            replicated.append(name)
+    # model and optimizer tensors first: those are the ones a rule was meant for
+    replicated.sort(key=lambda n: (classify(n) not in ("model", "optim"), n))
+    matched = tuple(
+        RuleMatch(r.label or ("re:" if r.regex else "") + r.pattern,
+                  ("re:" if r.regex else "") + r.pattern,
+                  " ".join(f"{m}:{'Replicate()' if d is None else f'Shard({d})'}"
+                           for m, d in r.shard.items()),
+                  len(hits[i]), tuple(hits[i][:examples]))
+        for i, r in enumerate(rules.rules))
+    return RuleReport(matched, len(replicated), tuple(replicated[:examples]))
 
 
 def consolidation_plan(ck: Checkpoint, *, only: set[str] | None = None) -> Plan:

@@ -20,7 +20,7 @@ from ..errors import UsageError
 from ..formats.detect import open_checkpoint
 from ..layout import Rules, load_rules, parse_mesh, preset
 from .copier import copy_to_dcp
-from .planner import make_plan
+from .planner import make_plan, rule_report
 
 DEFAULT_MAX_MEMORY = 1 << 30
 
@@ -40,6 +40,10 @@ class ReshardResult:
     ranks: list[dict] = field(default_factory=list)
     placements: dict[str, str] = field(default_factory=dict)
     files: list[str] = field(default_factory=list)  # written, the manifest aside
+    #: which rules placed the tensors and why they were chosen (``name``, ``kind``: preset
+    #: or file, ``chosen``: given, default or world-size), what each rule matched
+    #: (``matched``), and how many tensors stay replicated (``replicated``, with examples)
+    rules: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,14 +99,35 @@ def build_rules(*, mesh: str | None, rules: str | None, world_size: int | None) 
     return preset(rules, m)
 
 
+def rules_origin(r: Rules, *, mesh: str | None, rules: str | None,
+                 world_size: int | None) -> dict:
+    """Where the rules came from, for the output: ``--mesh`` without ``--rules`` picks a
+    preset by the mesh's dim names (fsdp for ``dp`` alone, llama otherwise) and says so.
+
+    >>> r = build_rules(mesh="dp=2,tp=2", rules=None, world_size=None)
+    >>> rules_origin(r, mesh="dp=2,tp=2", rules=None, world_size=None)["note"]
+    'llama (preset, chosen for mesh dp=2,tp=2; give --rules to choose)'
+    """
+    if world_size is not None:
+        return {"name": r.name, "kind": "preset", "chosen": "world-size",
+                "note": f"{r.name} (preset, from --world-size {world_size})"}
+    if rules is None:
+        return {"name": r.name, "kind": "preset", "chosen": "default",
+                "note": f"{r.name} (preset, chosen for mesh {r.mesh}; give --rules to choose)"}
+    kind = "preset" if r.name == rules and not os.path.isfile(rules) else "file"
+    return {"name": r.name, "kind": kind, "chosen": "given", "note": f"{r.name} ({kind})"}
+
+
 def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = None,
             world_size: int | None = None, max_memory: int | str = DEFAULT_MAX_MEMORY,
             workers: int = 4, dry_run: bool = False, storage_options: dict | None = None,
             dst_storage_options: dict | None = None, force: bool = False,
-            on_bytes: Callable[[int], None] | None = None) -> ReshardResult:
+            on_bytes: Callable[[int], None] | None = None,
+            on_total: Callable[[int], None] | None = None) -> ReshardResult:
     """Reshard ``src`` (any format) into a DCP checkpoint at ``dst`` for the target mesh.
 
-    ``dst`` must be new or empty; ``force`` replaces what it holds."""
+    ``dst`` must be new or empty; ``force`` replaces what it holds. ``on_bytes(n)``: n more
+    bytes written; ``on_total(n)``: called once before writing with the plan's data bytes."""
     t0 = time.monotonic()
     r = build_rules(mesh=mesh, rules=rules, world_size=world_size)
     require_torch("reshard")  # before a byte is read or written
@@ -113,12 +138,17 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
     refuse_opaque(ck, verb="reshard", hint="reshard carries every entry: first write the parts "
                   "it can carry with consolidate --to dcp --only model,optim")
     plan = make_plan(ck, r)
+    report = rule_report(ck, r, plan)
     max_memory = parse_size(max_memory)
     ranks = plan.rank_summary(ck)
     result = ReshardResult(src, dst, str(plan.mesh), plan.mesh.world_size, dry_run,
                            len(plan.chunks), sum(x["write_bytes"] for x in ranks), 0, 0.0,
-                           ranks=ranks, placements=dict(plan.placements))
+                           ranks=ranks, placements=dict(plan.placements),
+                           rules={**rules_origin(r, mesh=mesh, rules=rules,
+                                                 world_size=world_size), **asdict(report)})
     if not dry_run:
+        if on_total:
+            on_total(sum(x["write_bytes"] for x in ranks))
         done = copy_to_dcp(ck, plan, dst, max_memory=max_memory, workers=workers,
                            storage_options=dst_storage_options or storage_options,
                            force=force, command="reshard", source=src, on_bytes=on_bytes)
@@ -130,4 +160,4 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
     return result
 
 
-__all__ = ["ReshardResult", "build_rules", "parse_size", "reshard"]
+__all__ = ["ReshardResult", "build_rules", "parse_size", "reshard", "rules_origin"]

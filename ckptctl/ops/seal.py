@@ -54,16 +54,26 @@ def _worst(problems: list[Problem]) -> Problem:
     return next((p for p in problems if p.severity == "error"), problems[0])
 
 
-def seal(url: str, storage_options: dict | None = None, *, hash: str = "xxh3-128",
+def seal(url: str, storage_options: dict | None = None, *, hash: str | None = None,
          step: int | None = None, tags: list[str] | None = None, workers: int = 4,
-         on_bytes: Callable[[int], None] | None = None) -> SealResult:
+         on_bytes: Callable[[int], None] | None = None,
+         on_total: Callable[[int], None] | None = None, update: bool = False) -> SealResult:
     """Hash every file and write ``ckptctl.manifest.json`` last.
 
     Raises :class:`~ckptctl.errors.Finding` (exit 1) if the checkpoint is incomplete or
     inconsistent, or if it is sealed and no longer matches its manifest.
+
+    A sealed checkpoint is verified against its manifest; files it does not list are
+    reported (``problems``: EXTRA_FILE warnings). ``update=True`` reseals it instead:
+    once every listed file still matches its hash, the files added since are hashed and
+    a new manifest (the old step and tags kept unless given; ``hash=None``: the old
+    algorithm) atomically replaces the old one, last (action ``"updated"``).
+
+    >>> seal("ckpt/", update=True).action                       # doctest: +SKIP
+    'updated'
     """
     t0 = time.monotonic()
-    algo = normalize_algo(hash)
+    algo = normalize_algo(hash or "xxh3-128")
     located = locate(url, storage_options)
     store, files, single = located
     if single:
@@ -75,7 +85,7 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str = "xxh3-128
     store.cache_small_files(files)
     if MANIFEST in files:
         r = verify(url, storage_options, level="full", workers=workers, on_bytes=on_bytes,
-                   located=located, uploads=False)
+                   located=located, uploads=False, on_total=on_total)
         if any(p.severity == "error" for p in r.problems):  # a stray temp file is no reason
             p = _worst(r.problems)
             raise Finding(p.path or url, f"already sealed, but {p.code}: {p.message}"
@@ -85,10 +95,16 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str = "xxh3-128
         import json
 
         doc = json.loads(doc_bytes)
-        return SealResult(url, "verified", manifest_id(doc),
-                          doc.get("format"), doc.get("step"), doc.get("hash"), len(doc["files"]),
-                          sum(f["size"] for f in doc["files"].values()),
-                          round(time.monotonic() - t0, 3))
+        old = _update_plan(doc, files, hash=hash, step=step, tags=tags) if update else None
+        if old is None:
+            return SealResult(url, "verified", manifest_id(doc),
+                              doc.get("format"), doc.get("step"), doc.get("hash"),
+                              len(doc["files"]), sum(f["size"] for f in doc["files"].values()),
+                              round(time.monotonic() - t0, 3), problems=list(r.problems))
+        algo, step, tags, known = old
+        already = sum(f["size"] for f in doc["files"].values())  # verify read them
+    else:
+        known, already = {}, 0
     try:
         ck = open_checkpoint(url, storage_options, strict=False, located=located)
     except (StorageError, MissingDependencyError):
@@ -104,7 +120,10 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str = "xxh3-128
                       code=p.code)
     if step is None:
         step = ck.step
-    names = sorted(rel for rel in files if rel != MANIFEST and not is_temp_name(rel))
+    names = sorted(rel for rel in files if rel != MANIFEST and not is_temp_name(rel)
+                   and rel not in known)  # known: proven against the manifest just now
+    if on_total:
+        on_total(already + sum(files[rel] for rel in names))
 
     def one(rel):
         if not store.is_local and files[rel] <= SMALL_FILE:  # already fetched: no new GET
@@ -115,23 +134,50 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str = "xxh3-128
         return rel, hash_file(store, rel, algo, on_bytes)
 
     with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:
-        hashes = dict(pool.map(one, names))
+        hashes = {**known, **dict(pool.map(one, names))}
     for rel, (_, size) in hashes.items():
         if size != files[rel]:
             raise Finding(store.display(rel), "changed size while being sealed: is a writer "
                           "still running?", code="SIZE_MISMATCH")
-    mid = write_manifest(store, ck, hashes, algo=algo, step=step, tags=tags or [])
-    return SealResult(url, "sealed", mid, ck.format, step, algo,
+    mid = write_manifest(store, ck, hashes, algo=algo, step=step, tags=tags or [],
+                         replace=MANIFEST in files)  # only --update gets here then
+    return SealResult(url, "updated" if MANIFEST in files else "sealed", mid, ck.format, step, algo,
                       len(hashes), sum(size for _, size in hashes.values()),
                       round(time.monotonic() - t0, 3))
 
 
+def _update_plan(doc: dict, files: dict[str, int], *, hash: str | None, step: int | None,
+                 tags: list[str] | None):
+    """For ``seal --update`` of a verified sealed checkpoint: (algo, step, tags, the
+    listed files' (digest, size) to keep), or None when the manifest already says it all.
+
+    >>> doc = {"hash": "xxh3-128", "step": 5, "tags": ["a"], "files": {"x": {"size": 1, "hash": "h"}}}
+    >>> _update_plan(doc, {"x": 1, MANIFEST: 9}, hash=None, step=None, tags=None) is None
+    True
+    >>> _update_plan(doc, {"x": 1, "config.json": 2}, hash=None, step=None, tags=["b"])
+    ('xxh3-128', 5, ['a', 'b'], {'x': ('h', 1)})
+    """
+    algo = normalize_algo(hash) if hash else doc.get("hash") or "xxh3-128"
+    new_tags = sorted(set(doc.get("tags") or []) | set(tags or []))
+    new_step = doc.get("step") if step is None else step
+    added = [rel for rel in files if rel not in doc["files"] and rel != MANIFEST
+             and not is_temp_name(rel)]
+    if not added and new_step == doc.get("step") and new_tags == sorted(doc.get("tags") or []) \
+            and algo == doc.get("hash"):
+        return None
+    known = ({rel: (rec["hash"], rec["size"]) for rel, rec in doc["files"].items()}
+             if algo == doc.get("hash") else {})
+    return algo, new_step, new_tags, known
+
+
 def write_manifest(store, ck, hashes: dict[str, tuple[str, int]], *, algo: str,
-                   step: int | None, tags: list[str]) -> str:
+                   step: int | None, tags: list[str], replace: bool = False) -> str:
     """Commit a checkpoint: write its manifest last, exclusively; return its id.
 
     ``hashes`` maps every file to (digest, size), from hashing it (seal) or from the
-    writer that just wrote it (reshard, consolidate).
+    writer that just wrote it (reshard, consolidate). ``replace`` (``seal --update``):
+    the new manifest atomically replaces the one there (POSIX: temp file and rename;
+    S3: one PUT), so a crash leaves the old or the new one, never neither.
     """
     s = summarize(ck)
     summary = {"num_tensors": s.num_tensors, "num_objects": s.num_objects,
@@ -143,7 +189,7 @@ def write_manifest(store, ck, hashes: dict[str, tuple[str, int]], *, algo: str,
     data = serialize(doc)
     mid = manifest_id(doc)
     try:
-        store.write_atomic(MANIFEST, data, exclusive=True)
+        store.write_atomic(MANIFEST, data, exclusive=not replace)
     except Finding as e:
         if e.code != "ALREADY_EXISTS":
             raise

@@ -79,12 +79,12 @@ class VerifyResult:
 
 class _Checker:
     def __init__(self, url, storage_options, level, require, check_finite, sample, workers,
-                 on_bytes, located=None, checkpoint=None, uploads=True):
+                 on_bytes, located=None, checkpoint=None, uploads=True, on_total=None):
         self.url, self.opts, self.level = url, storage_options, level
         self.located, self.opened, self.uploads = located, checkpoint, uploads
         self.require = parse_parts(require) if isinstance(require, str) else list(require or [])
         self.check_finite, self.sample, self.workers = check_finite, sample, workers
-        self.on_bytes = on_bytes
+        self.on_bytes, self.on_total = on_bytes, on_total
         self.problems: list[Problem] = []
         self.ck: Checkpoint | None = None
         self.result = VerifyResult(False, level, url, None, False)
@@ -454,6 +454,11 @@ class _Checker:
                 regions[rel].append((ZipCrc(0, self.files[rel], entries, store.display(rel)), None))
                 crc_files.add(rel)
 
+        if self.on_total:  # what on_bytes will count: every file read, zstd chunks decoded
+            self.on_total(sum(self.files[rel] for rel in files
+                              if sealed or regions[rel] or rel not in torch_files)
+                          + sum(e.dtype.nbytes(c.numel) for kind, e, c in side if kind == "zstd"))
+
         def scan(rel):
             hasher = new_hasher(algo) if sealed else None
             todo = regions[rel]
@@ -583,7 +588,8 @@ def verify(url: str, storage_options: dict | None = None, *, level: str = "struc
            require: str | list[str] | None = None, check_finite: bool = False,
            sample: float | None = None, workers: int = 4,
            on_bytes: Callable[[int], None] | None = None, located: tuple | None = None,
-           checkpoint: Checkpoint | None = None, uploads: bool = True) -> VerifyResult:
+           checkpoint: Checkpoint | None = None, uploads: bool = True,
+           on_total: Callable[[int], None] | None = None) -> VerifyResult:
     """Check the checkpoint at ``url``; problems are collected, not raised.
 
     Raises only when the place cannot be read at all (exit 3): not found, unreachable.
@@ -591,11 +597,15 @@ def verify(url: str, storage_options: dict | None = None, *, level: str = "struc
     listed or read twice: ``located`` (what :func:`~ckptctl.formats.detect.locate`
     returned), ``checkpoint`` (opened from that listing with ``strict=False``).
     ``uploads=False`` skips the look for orphaned S3 multipart uploads (one more listing;
-    they are only ever warnings).
+    they are only ever warnings). ``on_bytes(n)``: n more bytes read (full level);
+    ``on_total(n)``: called once before the reads with the bytes they come to.
     """
     if level not in LEVELS:
         raise UsageError(f"unknown level {level!r} (choose from {', '.join(LEVELS)})")
     if sample is not None and not 0 < sample <= 1:
         raise UsageError("--sample takes a fraction in (0, 1]")
+    if sample is not None and level != "full":  # only the full level reads file contents
+        raise UsageError(f"--sample needs --level full (it picks the files whose contents "
+                         f"are read; --level {level} reads none)")
     return _Checker(url, storage_options, level, require, check_finite, sample, workers,
-                    on_bytes, located, checkpoint, uploads).run()
+                    on_bytes, located, checkpoint, uploads, on_total).run()

@@ -144,11 +144,15 @@ def _s3_options(options: dict, timeout: float | None = None) -> dict:
     {'total_max_attempts': 3, 'mode': 'standard'}
     """
     timeout = parse_timeout(timeout) if timeout is not None else request_timeout()
+    for key in ("config_kwargs", "client_kwargs"):
+        if key in options and not isinstance(options[key], dict):
+            raise UsageError(f"storage option {key} takes dotted keys, e.g. "
+                             f"-o {key}.{'read_timeout=300' if key == 'config_kwargs' else 'region_name=us-east-1'}")
     per_try = timeout / (BOTO_ATTEMPTS * S3FS_ATTEMPTS)
     opts = {"use_listings_cache": False, "skip_instance_cache": True, "retries": S3FS_ATTEMPTS}
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
-    if endpoint and "endpoint_url" not in options and "endpoint_url" not in options.get(
-            "client_kwargs", {}):
+    if endpoint and "endpoint_url" not in options and "endpoint_url" not in (
+            options.get("client_kwargs") or {}):
         opts["endpoint_url"] = endpoint
     opts.update(options)
     # botocore validates full-object CRCs on ranged GETs against servers (rclone) that send
