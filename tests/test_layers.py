@@ -200,3 +200,21 @@ def test_violations_are_caught(g, expect):
 def test_docs_generator_is_outside_the_package():
     assert not (PKG / "cli" / "docs.py").exists()
     assert (PKG.parent / "tests" / "docsgen.py").exists()
+
+
+def test_cli_registers_verbs_without_an_import_circle_or_global_state():
+    """(issue 8, item 12) verb modules import the app from cli/app.py, never cli/main.py
+    (which imports them); no module-level mutable context object carries options."""
+    import ast
+    from pathlib import Path
+
+    import ckptctl.cli
+
+    cli_dir = Path(ckptctl.cli.__file__).parent
+    for f in sorted(cli_dir.glob("*_cmd.py")):
+        tree = ast.parse(f.read_text())
+        froms = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level}
+        assert "main" not in froms and "app" in froms, (f.name, froms)
+    import ckptctl.cli.common as common
+
+    assert not hasattr(common, "CTX") and not hasattr(common, "Context")

@@ -9,22 +9,9 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass, field
 
 import typer
 
-
-@dataclass
-class Context:
-    """Global options, set by the app callback."""
-
-    debug: bool = False
-    quiet: bool = False
-    storage_options: dict = field(default_factory=dict)
-    timeout: float = 60.0  # --timeout: seconds one remote request may take, retries included
-
-
-CTX = Context()
 
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Print nothing but errors.")
@@ -118,8 +105,9 @@ def print_table(headers: list[str], rows: list[list[str]], title: str | None = N
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
 
 
-def say(text: str = "") -> None:
-    if not CTX.quiet:
+def say(text: str = "", *, quiet: bool = False) -> None:
+    """Print a line of human output unless ``--quiet``."""
+    if not quiet:
         print(text)
 
 StorageOpt = typer.Option(

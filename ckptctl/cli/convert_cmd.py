@@ -5,9 +5,9 @@ from typing import List, Optional
 
 import typer
 
-from .common import (CTX, JsonOpt, QuietOpt, StorageOpt, check_size, emit_json, human_bytes,
+from .common import (JsonOpt, QuietOpt, StorageOpt, check_size, emit_json, human_bytes,
                      plural, print_table, say, storage_options)
-from .main import app
+from .app import app
 from .progress import byte_progress
 
 MaxMemOpt = typer.Option("1GiB", "--max-memory", metavar="SIZE", callback=check_size,
@@ -51,7 +51,6 @@ def reshard(
     """
     from ..ops import reshard as do_reshard
 
-    CTX.quiet = quiet
     with byte_progress("reshard", enabled=not (json or quiet or dry_run)) as cb:
         r = do_reshard(src, dst, mesh=mesh, rules=rules, world_size=world_size,
                        max_memory=max_memory, workers=workers, dry_run=dry_run, force=force,
@@ -60,7 +59,7 @@ def reshard(
     if json:
         emit_json(r.to_dict())
         return
-    say(f"rules: {r.rules['note']}")
+    say(f"rules: {r.rules['note']}", quiet=quiet)
     if dry_run:
         rep = r.rules
         print_table(["rule", "placements", "tensors", "e.g."],
@@ -78,8 +77,8 @@ def reshard(
                     title=f"plan: {r.src} -> {r.dst} at {r.mesh} ({plural(r.world_size, 'rank')})")
         return
     say(f"{r.dst}: {plural(r.world_size, 'rank')} ({r.mesh}), {plural(r.num_chunks, 'chunk')}, "
-        f"{human_bytes(r.bytes)} in {plural(r.num_files, 'file')} ({r.seconds:.2f}s)")
-    say(f"id {r.manifest_id}")
+        f"{human_bytes(r.bytes)} in {plural(r.num_files, 'file')} ({r.seconds:.2f}s)", quiet=quiet)
+    say(f"id {r.manifest_id}", quiet=quiet)
 
 
 def _first(names: list[str], count: int) -> str:
@@ -132,7 +131,6 @@ def consolidate(
     """
     from ..ops import consolidate as do_consolidate
 
-    CTX.quiet = quiet
     with byte_progress("consolidate", enabled=not (json or quiet)) as cb:
         r = do_consolidate(src, dst, to=to, only=only, dtype=dtype, strip_prefix=strip_prefix,
                            max_shard_size=max_shard_size, max_memory=max_memory,
@@ -145,8 +143,8 @@ def consolidate(
     skipped = (f", {plural(r.objects_skipped, 'non-tensor entry', 'non-tensor entries')} not "
                "stored" if r.objects_skipped else "")
     say(f"{r.dst}: {r.to}, {plural(r.num_tensors, 'tensor')}, {plural(r.num_objects, 'object')}"
-        f"{skipped}; {human_bytes(r.bytes)} in {', '.join(r.files)} ({r.seconds:.2f}s)")
+        f"{skipped}; {human_bytes(r.bytes)} in {', '.join(r.files)} ({r.seconds:.2f}s)", quiet=quiet)
     if r.side_files:
-        say(f"side files carried from the source: {', '.join(r.side_files)}")
+        say(f"side files carried from the source: {', '.join(r.side_files)}", quiet=quiet)
     if r.manifest_id:
-        say(f"id {r.manifest_id}")
+        say(f"id {r.manifest_id}", quiet=quiet)

@@ -5,9 +5,9 @@ from typing import List, Optional
 
 import typer
 
-from .common import (JsonOpt, QuietOpt, StorageOpt, CTX, emit_json, human_bytes, human_count,
+from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, human_count,
                      plural, print_table, say, storage_options)
-from .main import app
+from .app import app
 
 
 @app.command()
@@ -37,7 +37,6 @@ def inspect(
     from ..errors import shorten
     from ..ops import inspect as do_inspect
 
-    CTX.quiet = quiet
     r = do_inspect(url, storage_options(storage_option), filter=filter,
                    show_objects=show_objects, tree=tree)
     if json:
@@ -49,35 +48,35 @@ def inspect(
     if quiet:
         return
     step = f"step {r.step} (from {r.step_source})" if r.step is not None else "step unknown"
-    say(f"{r.url}")
-    say(f"  format   {r.format}, {step}, {'sealed' if r.sealed else 'not sealed'}")
+    say(f"{r.url}", quiet=quiet)
+    say(f"  format   {r.format}, {step}, {'sealed' if r.sealed else 'not sealed'}", quiet=quiet)
     say(f"  size     {human_bytes(r.bytes)} in {plural(r.num_files, 'file')}; "
         f"{plural(r.num_tensors, 'tensor')} ({human_bytes(r.tensor_bytes)}), "
-        f"{plural(r.num_objects, 'object')}")
+        f"{plural(r.num_objects, 'object')}", quiet=quiet)
     say(f"  params   {human_count(r.num_params)} ({r.num_params:,}) in the model part"
         + (f"; buffers {human_count(r.num_buffers)} ({plural(r.num_buffers, 'element')})"
-           if r.num_buffers else ""))
+           if r.num_buffers else ""), quiet=quiet)
     say("  dtypes   " + ", ".join(f"{d} {plural(v['tensors'], 'tensor')} {human_bytes(v['bytes'])}"
-                                  for d, v in r.dtypes.items()))
+                                  for d, v in r.dtypes.items()), quiet=quiet)
     lay = r.layout
     dims = ", ".join(f"{k}: {v}" for k, v in lay["dims"].items()) or "none"
     say(f"  layout   {plural(lay['world_size'], 'data file')}, "
         f"{plural(lay['sharded_tensors'], 'tensor')} sharded "
         f"({dims}), {lay['replicated_tensors']} stored whole"
-        + (f", mesh guess {lay['mesh_guess']}" if lay["mesh_guess"] else ""))
-    say("  closure  " + "  ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r.closure.items()))
+        + (f", mesh guess {lay['mesh_guess']}" if lay["mesh_guess"] else ""), quiet=quiet)
+    say("  closure  " + "  ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r.closure.items()), quiet=quiet)
     if tree:
-        say("")
+        say("", quiet=quiet)
         print_table(["module", "tensors", "params", "bytes"],
                     [[("  " * n.prefix.count(".")) + n.prefix.rsplit(".", 1)[-1], str(n.num_tensors),
                       human_count(n.num_params), human_bytes(n.bytes)] for n in r.tree])
     if tensors:
-        say("")
+        say("", quiet=quiet)
         print_table(["name", "dtype", "shape", "chunks", "bytes"],
                     [[t.name, t.dtype, "x".join(map(str, t.shape)) or "()", str(t.num_chunks),
                       human_bytes(t.bytes)] for t in r.tensors])
     if show_objects:
-        say("")
+        say("", quiet=quiet)
         print_table(["name", "part", "type", "value"],
                     [[o.name, o.part, o.type or "-", "-" if o.value is None else shorten(repr(o.value), 60)]
                      for o in r.objects])

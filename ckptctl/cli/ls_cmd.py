@@ -6,8 +6,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import CTX, JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, print_table, storage_options
-from .main import app
+from .common import JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, print_table, storage_options
+from .app import app
 
 
 @app.command()
@@ -26,7 +26,6 @@ def ls(
     """
     from ..ops import ls as do_ls
 
-    CTX.quiet = quiet
     r = do_ls(root, storage_options(storage_option))
     if json:
         emit_json(r.to_dict())

@@ -1,5 +1,7 @@
-"""The ``ckptctl`` entry point: the app, global options and the one place that turns
-errors into messages and exit codes (DESIGN.md)."""
+"""The ``ckptctl`` entry point: registers every verb on the app (``cli/app.py``) and is the
+one place that turns errors into messages and exit codes (DESIGN.md). Verb modules import
+the app, never this module: no import circle, and no mutable global state (``--debug``
+and ``--json`` are read from the command line here and passed down)."""
 from __future__ import annotations
 
 import sys
@@ -8,50 +10,9 @@ from typing import NoReturn
 
 import typer
 
-from .. import __version__
-from ..errors import (EXIT_INTERRUPTED, EXIT_OPERATIONAL, EXIT_USAGE, CkptError,
-                      exit_status_text, shorten)
-from .common import CTX
-
-EXIT_STATUS = exit_status_text()  # the table lives in errors.EXIT_CODES
-
-app = typer.Typer(
-    name="ckptctl",
-    help="git + rclone + restic for training checkpoints: inspect, seal and verify, "
-         "reshard and consolidate.\n\n"
-         + EXIT_STATUS,
-    no_args_is_help=True,
-    add_completion=True,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
-
-
-def _version(value: bool):
-    if value:
-        print(f"ckptctl {__version__}")
-        raise typer.Exit()
-
-
-@app.callback()
-def _global(
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                 help="Print the version and exit."),
-    timeout: float = typer.Option(
-        60.0, "--timeout", metavar="SECONDS", envvar="CKPTCTL_TIMEOUT",
-        help="Most seconds one remote (S3) request may take, retries included; a dead or "
-             "silent server then stops the command with exit 3."),
-):
-    from ..storage.store import forget_dead_servers, set_timeout
-
-    CTX.debug = debug
-    set_timeout(timeout)  # UsageError (exit 2) unless > 0
-    forget_dead_servers()  # one command's verdicts on servers do not leak into the next
-    CTX.timeout = timeout
-
-
-from . import convert_cmd, inspect_cmd, ls_cmd, verify_cmd  # noqa: E402,F401  (registers)
+from ..errors import EXIT_INTERRUPTED, EXIT_OPERATIONAL, EXIT_USAGE, CkptError, shorten
+from . import convert_cmd, inspect_cmd, ls_cmd, verify_cmd  # noqa: F401  (they register)
+from .app import EXIT_STATUS, app  # noqa: F401  (EXIT_STATUS: re-exported for the docs)
 
 
 def _sigterm_as_interrupt():
@@ -95,18 +56,18 @@ def main(argv: list[str] | None = None) -> None:
     """Run the CLI; exit with DESIGN.md's codes, never a traceback unless ``--debug``."""
     # typer vendors click; its exceptions derive from typer.TyperException
     args = list(sys.argv[1:] if argv is None else argv)
-    CTX.debug = "--debug" in args
-    if CTX.debug:  # accepted anywhere on the line, not only before the command
+    debug = "--debug" in args
+    if debug:  # accepted anywhere on the line, not only before the command
         args = ["--debug"] + [a for a in args if a != "--debug"]
     args = _hoist_timeout(args)
-    if not CTX.debug:
+    if not debug:
         _quiet_library_logs()
     previous = _sigterm_as_interrupt()
     try:
         with warnings.catch_warnings():
-            if not CTX.debug:  # a library's warning (torch.load of an odd file) is not ours
+            if not debug:  # a library's warning (torch.load of an odd file) is not ours
                 warnings.simplefilter("ignore")
-            _run(args, as_json=_wants_json(args))
+            _run(args, as_json=_wants_json(args), debug=debug)
     finally:
         if previous is not None:  # an in-process caller (tests, a library user) keeps its own
             import signal
@@ -133,7 +94,7 @@ def _fail(as_json: bool, line: str, exit_code: int, code: str, message: str,
     sys.exit(exit_code)
 
 
-def _run(args: list[str], *, as_json: bool = False) -> None:
+def _run(args: list[str], *, as_json: bool = False, debug: bool = False) -> None:
     try:
         rv = app(args=args, prog_name="ckptctl", standalone_mode=False)
     except typer.Abort:
@@ -147,11 +108,11 @@ def _run(args: list[str], *, as_json: bool = False) -> None:
     except KeyboardInterrupt:
         _fail(as_json, "ckptctl: interrupted", EXIT_INTERRUPTED, "INTERRUPTED", "interrupted")
     except CkptError as e:
-        if CTX.debug:
+        if debug:
             raise
         _fail(as_json, f"ckptctl: error: {e}", e.exit_code, e.code, str(e), e.path)
     except Exception as e:  # noqa: BLE001 - a bug: one line, the traceback under --debug
-        if CTX.debug:
+        if debug:
             raise
         message = (f"internal error: {type(e).__name__}: {shorten(e, 200)}"
                    " (rerun with --debug for a traceback)")

@@ -7,9 +7,9 @@ from typing import List, Optional
 import typer
 
 from ..errors import EXIT_FINDING
-from .common import (CTX, JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, plural,
+from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, plural,
                      print_table, say, storage_options)
-from .main import app
+from .app import app
 from .progress import byte_progress
 
 
@@ -58,7 +58,6 @@ def verify(
     """
     from ..ops import verify as do_verify
 
-    CTX.quiet = quiet
     opts = storage_options(storage_option)
     with byte_progress("verify", enabled=level == Level.full and not (json or quiet)) as bar:
         r = do_verify(url, opts, level=level.value, require=require, check_finite=check_finite,
@@ -73,7 +72,7 @@ def verify(
         proven = f"content: {CONTENT_WORDS.get(r.content, r.content)}; " if r.content else ""
         say(f"{r.url}: {state} ({r.level}; {r.format or 'unknown format'}, "
             f"{'sealed' if r.sealed else 'not sealed'}; {proven}{plural(r.files_checked, 'file')}, "
-            f"{human_bytes(r.bytes_read)} read in {r.seconds:.2f}s)")
+            f"{human_bytes(r.bytes_read)} read in {r.seconds:.2f}s)", quiet=quiet)
     if not r.ok:
         raise typer.Exit(EXIT_FINDING)
 
@@ -150,7 +149,6 @@ def seal(
     """
     from ..ops import seal as do_seal
 
-    CTX.quiet = quiet
     with byte_progress("seal", enabled=not (json or quiet)) as bar:
         r = do_seal(url, storage_options(storage_option), hash=hash and hash.value, step=step,
                     tags=tag or [], workers=workers, on_bytes=bar, on_total=bar and bar.total,
@@ -162,10 +160,10 @@ def seal(
         r.action, "already sealed; verified against its manifest")
     extra = [p for p in r.problems if p.code == "EXTRA_FILE"]
     for p in r.problems:
-        say(f"{p.severity}: {p.code}: {p.path or ''}: {p.message}")
+        say(f"{p.severity}: {p.code}: {p.path or ''}: {p.message}", quiet=quiet)
     if extra:
         say(f"{plural(len(extra), 'file')} not in the manifest: seal --update adds "
-            f"{'it' if len(extra) == 1 else 'them'} (after checking the listed files)")
+            f"{'it' if len(extra) == 1 else 'them'} (after checking the listed files)", quiet=quiet)
     say(f"{r.url}: {what}: {plural(r.num_files, 'file')}, {human_bytes(r.bytes)}, {r.hash}, "
-        f"step {r.step if r.step is not None else '-'} ({r.seconds:.2f}s)")
-    say(f"id {r.manifest_id}")
+        f"step {r.step if r.step is not None else '-'} ({r.seconds:.2f}s)", quiet=quiet)
+    say(f"id {r.manifest_id}", quiet=quiet)

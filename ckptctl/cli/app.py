@@ -1,0 +1,44 @@
+"""The typer app and its global options. Every verb module (``*_cmd.py``) registers its
+command on :data:`app`; ``cli/main.py`` imports them all and runs it."""
+from __future__ import annotations
+
+import typer
+
+from .. import __version__
+from ..errors import exit_status_text
+
+EXIT_STATUS = exit_status_text()  # the table lives in errors.EXIT_CODES
+
+app = typer.Typer(
+    name="ckptctl",
+    help="git + rclone + restic for training checkpoints: inspect, seal and verify, "
+         "reshard and consolidate.\n\n"
+         + EXIT_STATUS,
+    no_args_is_help=True,
+    add_completion=True,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+
+
+def _version(value: bool):
+    if value:
+        print(f"ckptctl {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _global(
+    debug: bool = typer.Option(False, "--debug", help="Show tracebacks on errors."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version and exit."),
+    timeout: float = typer.Option(
+        60.0, "--timeout", metavar="SECONDS", envvar="CKPTCTL_TIMEOUT",
+        help="Most seconds one remote (S3) request may take, retries included; a dead or "
+             "silent server then stops the command with exit 3."),
+):
+    from ..storage.store import forget_dead_servers, set_timeout
+
+    del debug  # read from argv by main(), before parsing: it must hold on every error path
+    set_timeout(timeout)  # UsageError (exit 2) unless > 0
+    forget_dead_servers()  # one command's verdicts on servers do not leak into the next
