@@ -14,7 +14,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from .._deps import require_torch
+from .._deps import check_torch
 from ..errors import UsageError, shorten
 from ..formats.composite import refuse_opaque
 from ..formats.detect import open_checkpoint
@@ -162,7 +162,7 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
         raise UsageError(f"--to must be one of {', '.join(TARGETS)}")
     conv_to = _target_dtype(dtype)
     max_memory = parse_size(max_memory)
-    require_torch("consolidate")  # before a byte is read or written
+    check_torch("consolidate")  # before a byte is read or written (imported only if used)
     ck = open_checkpoint(src, storage_options)
     ck.store.cache_small_files(ck.files)
     tensors, objects = _select(ck, only)

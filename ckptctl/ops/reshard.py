@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from .._deps import require_torch
+from .._deps import check_torch
 from ..errors import UsageError
 from ..formats.detect import open_checkpoint
 from ..layout import Rules, load_rules, parse_mesh, preset
@@ -130,7 +130,7 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
     bytes written; ``on_total(n)``: called once before writing with the plan's data bytes."""
     t0 = time.monotonic()
     r = build_rules(mesh=mesh, rules=rules, world_size=world_size)
-    require_torch("reshard")  # before a byte is read or written
+    check_torch("reshard")  # before a byte is read or written (imported only if used)
     ck = open_checkpoint(src, storage_options)
     ck.store.cache_small_files(ck.files)
     from ..formats.composite import refuse_opaque
