@@ -144,7 +144,7 @@ def test_reshard_dry_run_json(cli, run, tmp_path):
                    "--dry-run")
     assert (doc["src"], doc["dst"], doc["dry_run"]) == (str(run / "step-42"), str(out), True)
     assert doc["files"] == [] and doc["num_files"] == 0 and not out.exists()
-    assert doc["num_chunks"] == sum(r["chunks"] for r in doc["ranks"]) > 0
+    assert doc["num_chunks"] == sum(r["num_chunks"] for r in doc["ranks"]) > 0
     assert doc["bytes"] == sum(r["write_bytes"] for r in doc["ranks"])
 
 

@@ -267,7 +267,7 @@ def test_conversions_refuse_opaque_objects_unless_left_out(written, tmp_path, cl
     with pytest.raises(UsageError, match="rng.0"):
         consolidate(str(d), str(tmp_path / "dcp"), to="dcp")
     r = consolidate(str(d), str(tmp_path / "ok.pt"), to="torch", only="model,optim,lr_scheduler")
-    assert r.num_objects > 0 and r.objects_skipped == 0
+    assert r.num_objects > 0
     got = torch.load(tmp_path / "ok.pt", weights_only=True)
     assert set(got) == {"model", "optim", "lr_scheduler"}
     ref = torch.load(d / "optimizer.bin", weights_only=True)

@@ -186,29 +186,44 @@ def test_verify_json_reports_content(torch_ckpts, tmp_path, cli):
     assert pickle  # the fixtures above pickle through torch
 
 
-def test_concurrent_seals_agree_on_a_server_without_if_none_match(torch_ckpts, tmp_path, s3_bucket):
-    """rclone ignores If-None-Match: racing sealers of the same bytes must all end with the
-    one content-derived id that the stored manifest has (issue 7, item 12)."""
+@pytest.mark.parametrize("rival_tags,wins", [([], True), (["other"], False)])
+def test_racing_sealer_on_a_server_without_if_none_match(torch_ckpts, tmp_path, s3_bucket,
+                                                        rival_tags, wins):
+    """rclone ignores If-None-Match, so a rival sealer's manifest can land right after ours
+    (issue 7, item 12). The race is played out deterministically: our exclusive PUT, then
+    the rival's PUT, then our read-back. The same bytes give the same content-derived id
+    (we succeed, whoever's manifest is stored); other tags are a lost race we say."""
     import json
-    from concurrent.futures import ThreadPoolExecutor
 
     from ckptctl.errors import Finding
+    from ckptctl.formats import open_checkpoint
     from ckptctl.formats.manifest import manifest_id
+    from ckptctl.ops.seal import write_manifest
 
     d = copy_ckpt(torch_ckpts["tp"], tmp_path / "step-20")
+    seal(str(d))  # hashes of these bytes, to hand both sealers
+    man = json.loads((d / "ckptctl.manifest.json").read_text())
+    (d / "ckptctl.manifest.json").unlink()
+    hashes = {rel: (rec["hash"], rec["size"]) for rel, rec in man["files"].items()}
     s3_bucket.upload(d, "ck")
     url, opts = s3_bucket.url("ck"), s3_bucket.storage_options
+    ours, rival = open_checkpoint(url, opts), open_checkpoint(url, opts)
+    plain_write = ours.store.write_atomic
 
-    def one(_):
-        try:
-            return seal(url, opts).manifest_id
-        except Finding as e:  # lost a race it could see: said, never silent
-            return e.code
+    def write_then_rival(rel, data, *, exclusive=False):
+        plain_write(rel, data, exclusive=exclusive)  # rclone: succeeds even when it exists
+        write_manifest(rival.store, rival, hashes, algo="xxh3-128", step=man["step"],
+                       tags=rival_tags)
 
-    with ThreadPoolExecutor(6) as pool:
-        ids = set(pool.map(one, range(6)))
-    stored = manifest_id(json.loads(s3_bucket.fs().cat_file(s3_bucket.path("ck/ckptctl.manifest.json"))))
-    assert ids <= {stored, "ALREADY_EXISTS"} and stored in ids, (ids, stored)
+    ours.store.write_atomic = write_then_rival
+    if wins:
+        mid = write_manifest(ours.store, ours, hashes, algo="xxh3-128", step=man["step"],
+                             tags=[])
+        stored = json.loads(s3_bucket.fs().cat_file(s3_bucket.path("ck/ckptctl.manifest.json")))
+        assert manifest_id(stored) == mid == manifest_id(man)
+    else:
+        with pytest.raises(Finding, match="other content, step or tags"):
+            write_manifest(ours.store, ours, hashes, algo="xxh3-128", step=man["step"], tags=[])
 
 
 def test_local_concurrent_seal_of_same_content_is_idempotent(torch_ckpts, tmp_path):

@@ -71,7 +71,7 @@ def reshard(
                     title=f"rules {rep['name']}: what each matched (the first match wins); "
                           f"{plural(rep['replicated'], 'tensor')} stay replicated")
         print_table(["rank", "chunks", "read", "write", "reads from"],
-                    [[str(x["rank"]), str(x["chunks"]), human_bytes(x["read_bytes"]),
+                    [[str(x["rank"]), str(x["num_chunks"]), human_bytes(x["read_bytes"]),
                       human_bytes(x["write_bytes"]), ", ".join(x["read_files"][:4])
                       + (" ..." if len(x["read_files"]) > 4 else "")] for x in r.ranks],
                     title=f"plan: {r.src} -> {r.dst} at {r.mesh} ({plural(r.world_size, 'rank')})")
@@ -140,10 +140,8 @@ def consolidate(
     if json:
         emit_json(r.to_dict())
         return
-    skipped = (f", {plural(r.objects_skipped, 'non-tensor entry', 'non-tensor entries')} not "
-               "stored" if r.objects_skipped else "")
     say(f"{r.dst}: {r.to}, {plural(r.num_tensors, 'tensor')}, {plural(r.num_objects, 'object')}"
-        f"{skipped}; {human_bytes(r.bytes)} in {', '.join(r.files)} ({r.seconds:.2f}s)", quiet=quiet)
+        f"; {human_bytes(r.bytes)} in {', '.join(r.files)} ({r.seconds:.2f}s)", quiet=quiet)
     if r.side_files:
         say(f"side files carried from the source: {', '.join(r.side_files)}", quiet=quiet)
     if r.manifest_id:

@@ -41,7 +41,6 @@ class ConsolidateResult:
     files: list[str]  # written, the manifest aside
     num_tensors: int
     num_objects: int
-    objects_skipped: int
     bytes: int  # written, the manifest aside
     seconds: float
     manifest_id: str | None = None
@@ -196,7 +195,7 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                            storage_options=opts, convert_dtype=conv_to, force=force,
                            command="consolidate --to dcp", source=src, on_bytes=on_bytes)
         return ConsolidateResult(src, dst, to, sorted(done.hashes), len(tensors),
-                                 len(objects), 0, done.bytes_written,
+                                 len(objects), done.bytes_written,
                                  round(time.monotonic() - t0, 3), done.manifest_id)
     by_name = {tc.name: tc for tc in plan.chunks}
 
@@ -225,9 +224,7 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                                  parse_size(max_shard_size), workers, on_bytes, force,
                                  stem=output_stem(tensors), side=side)
     mid = out.manifest_id
-    skipped = 0 if to == "torch" else len(objects)
-    return ConsolidateResult(src, dst, to, sorted(out.hashes), len(tensors),
-                             len(objects) - skipped, skipped,
+    return ConsolidateResult(src, dst, to, sorted(out.hashes), len(tensors), len(objects),
                              sum(n for _, n in out.hashes.values()),
                              round(time.monotonic() - t0, 3), mid,
                              {k: v for k, v in renamed.items() if k != v},

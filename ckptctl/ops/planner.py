@@ -78,7 +78,7 @@ class Plan:
                 for p in c.pieces:
                     read[p.src.extent.file] = (read.get(p.src.extent.file, 0)
                                                + c.dtype.nbytes(numel((p.dst_offsets, p.sizes))))
-            rows.append({"rank": rank, "chunks": len(chunks),
+            rows.append({"rank": rank, "num_chunks": len(chunks),
                          "write_bytes": sum(c.nbytes for c in chunks),
                          "read_bytes": sum(read.values()), "read_files": sorted(read)})
         return rows
