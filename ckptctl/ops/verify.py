@@ -399,12 +399,9 @@ class _Checker:
                         side.append(("torch", t, c))
                     continue
                 if ext.encoding == "torch_zip":
-                    try:
-                        p = locate_payload(ck, ext)
-                    except StorageError:
-                        raise
-                    except CkptError:
-                        continue  # structure reports it
+                    p = _or_none(locate_payload, ck, ext)
+                    if p is None:
+                        continue
                     if not sealed:
                         regions[ext.file].append(
                             (ZipCrc(ext.offset, ext.offset + ext.length, list(p.entries),
@@ -426,11 +423,8 @@ class _Checker:
             if ext.encoding == "torch_zip":
                 from ..formats.tensorio import zip_entries
 
-                try:
-                    entries = zip_entries(ck, ext)
-                except StorageError:
-                    raise
-                except CkptError:
+                entries = _or_none(zip_entries, ck, ext)
+                if entries is None:
                     continue
                 regions[ext.file].append((ZipCrc(ext.offset, ext.offset + ext.length, entries,
                                                  store.display(ext.file)), o.name))
@@ -445,11 +439,8 @@ class _Checker:
             from ..model import Extent
 
             for rel in sorted(torch_files & chosen):
-                try:
-                    entries = zip_entries(ck, Extent(rel, 0, self.files[rel]))
-                except StorageError:
-                    raise
-                except CkptError:  # a legacy (non-zip) torch.save file: no CRCs to check
+                entries = _or_none(zip_entries, ck, Extent(rel, 0, self.files[rel]))
+                if entries is None:  # a legacy (non-zip) torch.save file: no CRCs to check
                     continue
                 regions[rel].append((ZipCrc(0, self.files[rel], entries, store.display(rel)), None))
                 crc_files.add(rel)
@@ -582,6 +573,17 @@ class _Checker:
         r.bytes_read = self.store.stats.bytes_read if hasattr(self, "store") else 0
         r.seconds = round(time.monotonic() - t0, 3)
         return r
+
+
+def _or_none(fn, *args):
+    """``fn(*args)``, or None when it finds the input malformed: the structure level reports
+    that; an I/O error still stops the command (exit 3)."""
+    try:
+        return fn(*args)
+    except StorageError:
+        raise
+    except CkptError:
+        return None
 
 
 def verify(url: str, storage_options: dict | None = None, *, level: str = "structure",
