@@ -198,7 +198,7 @@ def test_racing_sealer_on_a_server_without_if_none_match(torch_ckpts, tmp_path, 
     from ckptctl.errors import Finding
     from ckptctl.formats import open_checkpoint
     from ckptctl.formats.manifest import manifest_id
-    from ckptctl.ops.seal import write_manifest
+    from ckptctl.ops.commit import commit, manifest_for
 
     d = copy_ckpt(torch_ckpts["tp"], tmp_path / "step-20")
     seal(str(d))  # hashes of these bytes, to hand both sealers
@@ -212,23 +212,21 @@ def test_racing_sealer_on_a_server_without_if_none_match(torch_ckpts, tmp_path, 
 
     def write_then_rival(rel, data, *, exclusive=False):
         plain_write(rel, data, exclusive=exclusive)  # rclone: succeeds even when it exists
-        write_manifest(rival.store, rival, hashes, algo="xxh3-128", step=man["step"],
-                       tags=rival_tags)
+        commit(rival.store, manifest_for(rival, hashes, step=man["step"], tags=rival_tags))
 
     ours.store.write_atomic = write_then_rival
     if wins:
-        mid = write_manifest(ours.store, ours, hashes, algo="xxh3-128", step=man["step"],
-                             tags=[])
+        mid = commit(ours.store, manifest_for(ours, hashes, step=man["step"], tags=[]))
         stored = json.loads(s3_bucket.fs().cat_file(s3_bucket.path("ck/ckptctl.manifest.json")))
         assert manifest_id(stored) == mid == manifest_id(man)
     else:
         with pytest.raises(Finding, match="other content, step or tags"):
-            write_manifest(ours.store, ours, hashes, algo="xxh3-128", step=man["step"], tags=[])
+            commit(ours.store, manifest_for(ours, hashes, step=man["step"], tags=[]))
 
 
 def test_local_concurrent_seal_of_same_content_is_idempotent(torch_ckpts, tmp_path):
     from ckptctl.errors import Finding
-    from ckptctl.ops.seal import write_manifest
+    from ckptctl.ops.commit import commit, manifest_for
     from ckptctl.formats import open_checkpoint
 
     d = copy_ckpt(torch_ckpts["tp"], tmp_path / "step-20")
@@ -237,6 +235,6 @@ def test_local_concurrent_seal_of_same_content_is_idempotent(torch_ckpts, tmp_pa
     man = __import__("json").loads((d / "ckptctl.manifest.json").read_text())
     hashes = {rel: (rec["hash"], rec["size"]) for rel, rec in man["files"].items()}
     # a second writer of the same bytes (a later creation time) agrees on the id
-    assert write_manifest(ck.store, ck, hashes, algo="xxh3-128", step=man["step"], tags=[]) == first
+    assert commit(ck.store, manifest_for(ck, hashes, step=man["step"], tags=[])) == first
     with pytest.raises(Finding, match="other content"):
-        write_manifest(ck.store, ck, hashes, algo="xxh3-128", step=man["step"], tags=["other"])
+        commit(ck.store, manifest_for(ck, hashes, step=man["step"], tags=["other"]))

@@ -163,8 +163,8 @@ def resolve_step(ck: Checkpoint, url: str, *, read_step: bool = True) -> None:
     """Step from the manifest, else a ``step`` entry (:data:`STEP_ENTRIES`), else the name
     (:func:`step_from_name`)."""
     man = ck.info.get("manifest")
-    if man and isinstance(man.get("step"), int):
-        ck.step, ck.info["step_source"] = man["step"], "manifest"
+    if man is not None and man.step is not None:
+        ck.step, ck.info["step_source"] = man.step, "manifest"
         return
     if read_step:
         ck.info["step_entry_read"] = True  # verify's quick level need not read it again

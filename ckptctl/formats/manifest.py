@@ -1,16 +1,20 @@
 """The ckptctl manifest, ``ckptctl.manifest.json``: the commit marker of a sealed checkpoint.
 
-This module only reads it (``seal`` writes it). It is small JSON, bounded before parsing.
+A :class:`Manifest` is parsed (bounded, validated: every file a safe relative path with a
+size and a hash) and serialised here; ``ops/commit.py`` builds one from what a writer
+wrote and commits it. Its :attr:`~Manifest.id` comes from content alone.
 
->>> MANIFEST
-'ckptctl.manifest.json'
+>>> m = Manifest.parse(b'{"hash": "xxh3-128", "files": {"a.bin": {"size": 3, "hash": "ab"}}}', "x")
+>>> m.files["a.bin"], m.id[:9], m.total_bytes
+(FileEntry(size=3, hash='ab'), 'xxh3-128:', 3)
 """
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass, field
 
 from ..errors import FormatError, UnsafeInputError
-from ..storage import Store
+from ..storage import Store, safe_relpath
 from .limits import load_json
 
 MANIFEST = "ckptctl.manifest.json"
@@ -18,6 +22,11 @@ MAX_MANIFEST_BYTES = 256 << 20
 #: Written first and removed last by every ckptctl writer (ops/output.py): while it is
 #: there, the folder is an unfinished write whatever else it holds.
 WRITING_MARKER = ".ckptctl-writing"
+#: A pin (``ckptctl pin``): kept by ``gc`` and ``rm``; it belongs to one place, so it is not
+#: part of the checkpoint's content (never in a manifest, never copied by ``promote``).
+PIN_FILE = ".ckptctl-pinned"
+#: Files of ckptctl's own that sit in a checkpoint folder but are not its content.
+CONTROL_FILES = (MANIFEST, WRITING_MARKER, PIN_FILE)
 
 
 def writer_unfinished(files: dict[str, int]) -> bool:
@@ -29,17 +38,128 @@ def writer_unfinished(files: dict[str, int]) -> bool:
     return WRITING_MARKER in files
 
 
-def read_manifest(store: Store, files: dict[str, int]) -> dict | None:
+def is_control_file(rel: str) -> bool:
+    """Is ``rel`` one of ckptctl's own files rather than checkpoint content?
+
+    >>> is_control_file("ckptctl.manifest.json"), is_control_file(".ckptctl-pinned"), is_control_file("a.pt")
+    (True, True, False)
+    """
+    return rel in CONTROL_FILES
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    size: int
+    hash: str
+
+
+@dataclass
+class Manifest:
+    """What a manifest says: the checkpoint's files with their sizes and content hashes,
+    its format, step and tags, and a summary of the logical model.
+
+    ``base`` is the id of the checkpoint this one is stored against (a delta pack), or
+    None. ``extra`` keeps keys this version does not know, so a rewrite loses nothing.
+    """
+
+    files: dict[str, FileEntry]
+    hash: str = "xxh3-128"
+    format: str | None = None
+    step: int | None = None
+    tags: list[str] = field(default_factory=list)
+    created: str | None = None
+    summary: dict = field(default_factory=dict)
+    tool: str | None = None
+    schema: int = 1
+    base: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        """``<algo>:<digest>`` of the files table alone (see :func:`manifest_id`)."""
+        return manifest_id(self.to_dict())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files.values())
+
+    def hashes(self) -> dict[str, tuple[str, int]]:
+        """Every file as ``(digest, size)``, the form writers hand over."""
+        return {rel: (f.hash, f.size) for rel, f in self.files.items()}
+
+    def to_dict(self) -> dict:
+        doc = dict(self.extra)
+        doc.update({"schema": self.schema, "tool": self.tool, "format": self.format,
+                    "step": self.step, "tags": sorted(set(self.tags)), "created": self.created,
+                    "hash": self.hash, "summary": self.summary,
+                    "files": {rel: {"size": f.size, "hash": f.hash}
+                              for rel, f in sorted(self.files.items())}})
+        if self.base is not None:
+            doc["base"] = self.base
+        return doc
+
+    def to_bytes(self) -> bytes:
+        """Canonical bytes (:func:`serialize`)."""
+        return serialize(self.to_dict())
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> "Manifest":
+        """Validate and parse manifest bytes; :class:`FormatError` /
+        :class:`UnsafeInputError` (a path leaving the root) naming ``where`` else.
+
+        >>> Manifest.parse(b'{"files": {"../x": {"size": 1, "hash": "a"}}}', "m")
+        Traceback (most recent call last):
+        ckptctl.errors.UnsafeInputError: m: path '../x' escapes the checkpoint root
+        """
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise UnsafeInputError(where, "manifest is absurdly large")
+        doc = load_json(data, where, "manifest")
+        if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
+            raise FormatError(where, "manifest has no files table")
+        files = {}
+        for rel, rec in doc["files"].items():
+            safe = safe_relpath(rel, where=where)
+            if safe != rel:
+                raise FormatError(where, f"manifest names {rel!r}, not a normalised path")
+            size = rec.get("size") if isinstance(rec, dict) else None
+            digest = rec.get("hash") if isinstance(rec, dict) else None
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0 \
+                    or not isinstance(digest, str):
+                raise FormatError(where, f"manifest entry {rel!r} needs a size and a hash")
+            files[rel] = FileEntry(size, digest)
+        step = doc.get("step")
+        tags = doc.get("tags") or []
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise FormatError(where, "manifest tags must be a list of strings")
+        known = {"files", "hash", "format", "step", "tags", "created", "summary", "tool",
+                 "schema", "base"}
+        return cls(files=files, hash=str(doc.get("hash") or "xxh3-128"),
+                   format=doc.get("format") if isinstance(doc.get("format"), str) else None,
+                   step=step if isinstance(step, int) and not isinstance(step, bool) else None,
+                   tags=list(tags), created=doc.get("created"),
+                   summary=doc.get("summary") if isinstance(doc.get("summary"), dict) else {},
+                   tool=doc.get("tool"), schema=doc.get("schema") or 1,
+                   base=doc.get("base") if isinstance(doc.get("base"), str) else None,
+                   extra={k: v for k, v in doc.items() if k not in known})
+
+    @classmethod
+    def read(cls, store: Store, files: dict[str, int] | None = None) -> "Manifest | None":
+        """The checkpoint's manifest, or None when it has none (``files``: its listing,
+        when the caller has it; else one existence check)."""
+        where = store.display(MANIFEST)
+        if files is not None:
+            if MANIFEST not in files:
+                return None
+            if files[MANIFEST] > MAX_MANIFEST_BYTES:
+                raise UnsafeInputError(where, "manifest is absurdly large")
+        elif not store.exists(MANIFEST):
+            return None
+        return cls.parse(store.read(MANIFEST), where)
+
+
+def read_manifest(store: Store, files: dict[str, int]) -> Manifest | None:
     """The parsed manifest, or None when the checkpoint has none."""
-    if MANIFEST not in files:
-        return None
-    where = store.display(MANIFEST)
-    if files[MANIFEST] > MAX_MANIFEST_BYTES:
-        raise UnsafeInputError(where, "manifest is absurdly large")
-    doc = load_json(store.read(MANIFEST), where, "manifest")
-    if not isinstance(doc, dict) or not isinstance(doc.get("files"), dict):
-        raise FormatError(where, "manifest has no files table")
-    return doc
+    return Manifest.read(store, files)
 
 SCHEMA = 1
 
@@ -76,22 +196,6 @@ def logical_digest(ck, algo: str = "xxh3-128") -> str:
         e = o.extent
         rows.append(["o", o.name] + ([e.file, e.offset, e.length] if e else []))
     return digest_bytes(json.dumps(rows, separators=(",", ":")).encode(), algo)
-
-
-def build_manifest(ck, hashes: dict[str, tuple[str, int]], *, algo: str, step: int | None,
-                   tags: list[str], tool_version: str, created: str, summary: dict) -> dict:
-    """The manifest document of a checkpoint whose files hash to ``hashes``."""
-    return {
-        "schema": SCHEMA,
-        "tool": f"ckptctl {tool_version}",
-        "format": ck.format,
-        "step": step,
-        "tags": sorted(set(tags)),
-        "created": created,
-        "hash": algo,
-        "files": {rel: {"size": size, "hash": digest} for rel, (digest, size) in sorted(hashes.items())},
-        "summary": summary,
-    }
 
 
 def serialize(doc: dict) -> bytes:

@@ -23,7 +23,8 @@ from ..formats.torchsave import SUFFIXES
 from ..model import DTYPES, Checkpoint, dtype_from_name
 from ..storage import HashingWriter, Store, open_store, split_url
 from .closure import classify, parse_parts
-from .copier import (BlockStream, commit_output, copy_to_dcp, dtype_converter, object_payload,
+from .commit import commit_written
+from .copier import (BlockStream, copy_to_dcp, dtype_converter, object_payload,
                      stream_depth)
 from .inspect import few_names
 from .output import OutputDir
@@ -242,7 +243,7 @@ class _Written:
 def _finish(od: OutputDir, ck: Checkpoint, hashes: dict, folder: bool) -> _Written:
     """Data and format markers are written: commit, then seal (a folder only)."""
     od.commit()
-    mid = commit_output(od.store, hashes, step=ck.step, tags=[]) if folder else None
+    mid = commit_written(od.store, hashes, step=ck.step) if folder else None
     return _Written(od.store, hashes, folder, mid)
 
 

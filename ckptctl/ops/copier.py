@@ -4,7 +4,7 @@ blocks, so memory stays bounded whatever the tensor sizes. It decides nothing.
 :func:`copy_to_dcp` is the one executor reshard and ``consolidate --to dcp`` call: the
 plan's chunks into a new DCP checkpoint, data files first, ``.metadata`` next, the
 manifest last. consolidate's safetensors and torch.save writers use the same
-:class:`BlockStream` and :func:`commit_output`.
+:class:`BlockStream`.
 
 >>> list(row_ranges(10, row_bytes=100, budget=350))
 [(0, 3), (3, 6), (6, 9), (9, 10)]
@@ -24,10 +24,10 @@ import numpy as np
 
 from ..errors import FormatError
 from ..formats.dcp_write import DcpWriter
-from ..formats.detect import open_checkpoint
 from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows, read_rows_into
 from ..model import Checkpoint
-from ..storage import Store, open_store
+from ..storage import open_store
+from .commit import commit_written
 from .output import OutputDir
 from .planner import Plan, TargetChunk
 
@@ -286,14 +286,6 @@ def write_dcp(ck: Checkpoint, plan: Plan, out: OutputDir, *, max_memory: int, wo
     return writer
 
 
-def commit_output(dst: Store, hashes: dict, *, step: int | None, tags: list[str]) -> str:
-    """Seal a freshly written checkpoint from the hashes its writer computed; its id."""
-    from .seal import write_manifest
-
-    out = open_checkpoint(dst.url, None, read_step=False, located=(dst, dst.list_files(), None))
-    return write_manifest(dst, out, hashes, algo="xxh3-128", step=step, tags=tags)
-
-
 @dataclass(frozen=True)
 class Copied:
     """What :func:`copy_to_dcp` wrote: each file's (digest, size), the manifest aside."""
@@ -330,5 +322,5 @@ def copy_to_dcp(ck: Checkpoint, plan: Plan, dst: str, *, max_memory: int, worker
         writer = write_dcp(ck, plan, out, max_memory=max_memory, workers=workers,
                            convert_dtype=convert_dtype, on_bytes=on_bytes)
         out.commit()
-        mid = commit_output(out.store, writer.hashes, step=ck.step, tags=[])
+        mid = commit_written(out.store, writer.hashes, step=ck.step)
     return Copied(dict(writer.hashes), mid)

@@ -11,20 +11,17 @@ cleanly instead of overwriting.
 """
 from __future__ import annotations
 
-import datetime as dt
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from .. import __version__
 from .._deps import MissingDependencyError
 from ..errors import CkptError, Finding, StorageError, UsageError
 from ..formats.detect import locate, open_checkpoint
-from ..formats.manifest import (MANIFEST, build_manifest, is_temp_name, logical_digest,
-                                manifest_id, serialize)
+from ..formats.manifest import MANIFEST, Manifest, is_control_file, is_temp_name
 from ..storage import digest_bytes, hash_file, normalize_algo
-from .inspect import summarize
+from .commit import commit, manifest_for
 from .verify import Problem, verify
 
 
@@ -91,18 +88,14 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
             raise Finding(p.path or url, f"already sealed, but {p.code}: {p.message}"
                           + (f" (+{len(r.problems) - 1} more)" if len(r.problems) > 1 else ""),
                           code=p.code)
-        doc_bytes = store.read(MANIFEST)
-        import json
-
-        doc = json.loads(doc_bytes)
+        doc = Manifest.read(store, files)
         old = _update_plan(doc, files, hash=hash, step=step, tags=tags) if update else None
         if old is None:
-            return SealResult(url, "verified", manifest_id(doc),
-                              doc.get("format"), doc.get("step"), doc.get("hash"),
-                              len(doc["files"]), sum(f["size"] for f in doc["files"].values()),
+            return SealResult(url, "verified", doc.id, doc.format, doc.step, doc.hash,
+                              len(doc.files), doc.total_bytes,
                               round(time.monotonic() - t0, 3), problems=list(r.problems))
         algo, step, tags, known = old
-        already = sum(f["size"] for f in doc["files"].values())  # verify read them
+        already = doc.total_bytes  # verify read them
     else:
         known, already = {}, 0
     try:
@@ -120,7 +113,7 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
                       code=p.code)
     if step is None:
         step = ck.step
-    names = sorted(rel for rel in files if rel != MANIFEST and not is_temp_name(rel)
+    names = sorted(rel for rel in files if not is_control_file(rel) and not is_temp_name(rel)
                    and rel not in known)  # known: proven against the manifest just now
     if on_total:
         on_total(already + sum(files[rel] for rel in names))
@@ -139,73 +132,31 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
         if size != files[rel]:
             raise Finding(store.display(rel), "changed size while being sealed: is a writer "
                           "still running?", code="SIZE_MISMATCH")
-    mid = write_manifest(store, ck, hashes, algo=algo, step=step, tags=tags or [],
-                         replace=MANIFEST in files)  # only --update gets here then
+    mid = commit(store, manifest_for(ck, hashes, algo=algo, step=step, tags=tags),
+                 replace=MANIFEST in files)  # only --update gets here then
     return SealResult(url, "updated" if MANIFEST in files else "sealed", mid, ck.format, step, algo,
                       len(hashes), sum(size for _, size in hashes.values()),
                       round(time.monotonic() - t0, 3))
 
 
-def _update_plan(doc: dict, files: dict[str, int], *, hash: str | None, step: int | None,
+def _update_plan(doc: Manifest, files: dict[str, int], *, hash: str | None, step: int | None,
                  tags: list[str] | None):
     """For ``seal --update`` of a verified sealed checkpoint: (algo, step, tags, the
     listed files' (digest, size) to keep), or None when the manifest already says it all.
 
-    >>> doc = {"hash": "xxh3-128", "step": 5, "tags": ["a"], "files": {"x": {"size": 1, "hash": "h"}}}
+    >>> from ckptctl.formats.manifest import FileEntry
+    >>> doc = Manifest({"x": FileEntry(1, "h")}, step=5, tags=["a"])
     >>> _update_plan(doc, {"x": 1, MANIFEST: 9}, hash=None, step=None, tags=None) is None
     True
     >>> _update_plan(doc, {"x": 1, "config.json": 2}, hash=None, step=None, tags=["b"])
     ('xxh3-128', 5, ['a', 'b'], {'x': ('h', 1)})
     """
-    algo = normalize_algo(hash) if hash else doc.get("hash") or "xxh3-128"
-    new_tags = sorted(set(doc.get("tags") or []) | set(tags or []))
-    new_step = doc.get("step") if step is None else step
-    added = [rel for rel in files if rel not in doc["files"] and rel != MANIFEST
+    algo = normalize_algo(hash) if hash else doc.hash
+    new_tags = sorted(set(doc.tags) | set(tags or []))
+    new_step = doc.step if step is None else step
+    added = [rel for rel in files if rel not in doc.files and not is_control_file(rel)
              and not is_temp_name(rel)]
-    if not added and new_step == doc.get("step") and new_tags == sorted(doc.get("tags") or []) \
-            and algo == doc.get("hash"):
+    if not added and new_step == doc.step and new_tags == sorted(doc.tags) and algo == doc.hash:
         return None
-    known = ({rel: (rec["hash"], rec["size"]) for rel, rec in doc["files"].items()}
-             if algo == doc.get("hash") else {})
+    known = doc.hashes() if algo == doc.hash else {}
     return algo, new_step, new_tags, known
-
-
-def write_manifest(store, ck, hashes: dict[str, tuple[str, int]], *, algo: str,
-                   step: int | None, tags: list[str], replace: bool = False) -> str:
-    """Commit a checkpoint: write its manifest last, exclusively; return its id.
-
-    ``hashes`` maps every file to (digest, size), from hashing it (seal) or from the
-    writer that just wrote it (reshard, consolidate). ``replace`` (``seal --update``):
-    the new manifest atomically replaces the one there (POSIX: temp file and rename;
-    S3: one PUT), so a crash leaves the old or the new one, never neither.
-    """
-    s = summarize(ck)
-    summary = {"num_tensors": s.num_tensors, "num_objects": s.num_objects,
-               "num_params": s.num_params, "total_bytes": sum(n for _, n in hashes.values()),
-               "logical_digest": logical_digest(ck)}
-    created = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
-    doc = build_manifest(ck, hashes, algo=algo, step=step, tags=tags,
-                         tool_version=__version__, created=created, summary=summary)
-    data = serialize(doc)
-    mid = manifest_id(doc)
-    try:
-        store.write_atomic(MANIFEST, data, exclusive=not replace)
-    except Finding as e:
-        if e.code != "ALREADY_EXISTS":
-            raise
-    # Another sealer may have committed first, or (servers that ignore If-None-Match, such
-    # as rclone) after us: what is stored must describe these same bytes, or we say so.
-    import json
-
-    def key(d: dict) -> tuple:
-        return manifest_id(d), d.get("step"), sorted(d.get("tags") or [])
-
-    try:
-        stored = key(json.loads(store.read(MANIFEST)))
-    except (ValueError, RecursionError):
-        stored = None
-    if stored != key(doc):
-        raise Finding(store.display(MANIFEST), "another writer sealed this checkpoint at the "
-                      "same time with other content, step or tags; its manifest won",
-                      code="ALREADY_EXISTS")
-    return mid

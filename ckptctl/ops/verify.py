@@ -29,8 +29,8 @@ from .._deps import MissingDependencyError
 from ..errors import CkptError, ProblemCode, StorageError, UsageError
 from ..formats import dcp
 from ..formats.detect import locate, open_checkpoint, resolve_step
-from ..formats.manifest import (MANIFEST, WRITING_MARKER, is_temp_name, read_manifest,
-                                writer_unfinished)
+from ..formats.manifest import (MANIFEST, WRITING_MARKER, is_control_file, is_temp_name,
+                                read_manifest, writer_unfinished)
 from ..model import Checkpoint, TensorEntry
 from ..storage import normalize_algo
 from .closure import classify, parse_parts
@@ -125,16 +125,16 @@ class _Checker:
             self.add_error(e)
         self.result.sealed = self.manifest is not None
         if self.manifest is not None:
-            mfiles = self.manifest["files"]
+            mfiles = self.manifest.files
             for rel, rec in mfiles.items():
                 if rel not in files:
                     self.add("MISSING_FILE", "listed in the manifest but missing",
                              path=store.display(rel))
-                elif files[rel] != rec.get("size"):
-                    self.add("SIZE_MISMATCH", f"{files[rel]} bytes, manifest says {rec.get('size')}",
+                elif files[rel] != rec.size:
+                    self.add("SIZE_MISMATCH", f"{files[rel]} bytes, manifest says {rec.size}",
                              path=store.display(rel))
             for rel in files:
-                if rel not in mfiles and rel != MANIFEST and not is_temp_name(rel):
+                if rel not in mfiles and not is_control_file(rel) and not is_temp_name(rel):
                     self.add("EXTRA_FILE", "not listed in the manifest", path=store.display(rel),
                              severity="warning")
         try:
@@ -149,7 +149,7 @@ class _Checker:
             return
         if self.ck.format == "dcp":
             for rel in sorted(dcp.referenced_files(self.ck)):
-                if rel not in files and not (self.manifest and rel in self.manifest["files"]):
+                if rel not in files and not (self.manifest and rel in self.manifest.files):
                     self.add("MISSING_FILE", "referenced by .metadata but missing",
                              path=store.display(rel))
         self._extents_inside_files()
@@ -226,13 +226,13 @@ class _Checker:
                 if part not in present:
                     self.add("MISSING_STATE", f"required state {part!r} is absent")
         if self.manifest is not None:
-            fmt = self.manifest.get("format")
+            fmt = self.manifest.format
             if fmt and fmt != ck.format:
                 self.add("MANIFEST_MISMATCH", f"manifest says format {fmt}, files are {ck.format}",
                          path=self.store.display(MANIFEST))
             from ..formats.manifest import logical_digest
 
-            want = (self.manifest.get("summary") or {}).get("logical_digest")
+            want = self.manifest.summary.get("logical_digest")
             if want and want != logical_digest(ck):
                 self.add("MANIFEST_MISMATCH", "the metadata describes other tensors than when "
                          "sealed", path=self.store.display(MANIFEST))
@@ -353,9 +353,8 @@ class _Checker:
     def _data_files(self) -> list[str]:
         """The files whose content a full verify reads (the manifest's, when sealed)."""
         if self.manifest is not None:
-            m = self.manifest["files"]
-            return [rel for rel in sorted(m)
-                    if rel in self.files and self.files[rel] == m[rel].get("size")]
+            m = self.manifest.files
+            return [rel for rel in sorted(m) if rel in self.files and self.files[rel] == m[rel].size]
         ck = self.ck
         used = {c.extent.file for t in ck.tensors.values() for c in t.chunks}
         used |= {o.extent.file for o in ck.objects.values() if o.extent is not None}
@@ -373,7 +372,7 @@ class _Checker:
 
         ck, store = self.ck, self.store
         sealed = self.manifest is not None
-        algo = normalize_algo(self.manifest.get("hash", "xxh3-128")) if sealed else None
+        algo = normalize_algo(self.manifest.hash) if sealed else None
         self.result.hash = algo
         files = self._sampled(self._data_files())
         chosen = set(files)
@@ -470,7 +469,7 @@ class _Checker:
             if digest is None and not todo and not sealed and rel in torch_files:
                 continue
             read += 1
-            if sealed and digest != self.manifest["files"][rel].get("hash"):
+            if sealed and digest != self.manifest.files[rel].hash:
                 self.add("HASH_MISMATCH", f"content hash differs from the manifest ({algo})",
                          path=store.display(rel))
             for r, name in todo:
