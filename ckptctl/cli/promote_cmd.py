@@ -1,0 +1,92 @@
+"""``ckptctl promote SRC DST``: copy a checkpoint between places, verified and committed last."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from .app import app
+from .common import (DstOpt, JsonOpt, QuietOpt, SrcOpt, StorageOpt, check_size, emit_json,
+                     human_bytes, plural, resolve_place, say)
+from .progress import byte_progress
+
+
+@app.command()
+def promote(
+    src: str = typer.Argument(..., metavar="SRC", help="Checkpoint folder to copy (path, "
+                              "s3://..., TIER:NAME)."),
+    dst: str = typer.Argument(..., metavar="DST", help="Where it goes (path, s3://..., "
+                              "TIER:NAME; TIER: puts it under the tier by SRC's name)."),
+    bwlimit: Optional[str] = typer.Option(
+        None, "--bwlimit", metavar="RATE",
+        help="Most bytes per second sent, all workers together (200MiB/s, 1.5GB/s, off). "
+             "Default: DST tier's bwlimit, else none."),
+    workers: int = typer.Option(4, "--workers", min=1, help="Files or parts sent at once."),
+    part_size: str = typer.Option("32MiB", "--part-size", metavar="SIZE", callback=check_size,
+                                  help="Size of the parts of a large file (at least 5MiB)."),
+    delete_source: bool = typer.Option(
+        False, "--delete-source", help="Remove SRC once DST is committed and checked "
+        "(its manifest and .metadata first)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what a run would send (after "
+                                 "a crash: what is left to send), write nothing."),
+    json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    storage_option: Optional[List[str]] = StorageOpt,
+    src_option: Optional[List[str]] = SrcOpt,
+    dst_option: Optional[List[str]] = DstOpt,
+):
+    """Copy checkpoint SRC to DST: hashed while copying, data first, manifest last.
+
+    An unsealed but complete SRC is sealed first; an incomplete one is refused (exit 1).
+    Files go in parallel, large ones in parallel parts, under one --bwlimit. Each file is
+    published at DST only once its bytes match SRC's manifest, and DST is committed (POSIX:
+    a hidden folder renamed into place; S3: the manifest as the last object) only after a
+    size check of every file there. Rerun after a crash to resume: finished files and
+    parts of S3 multipart uploads are not sent again.
+
+    \b
+    EXAMPLES
+      ckptctl promote /nvme/run1/step-2000 /lustre/run1/step-2000
+      ckptctl promote hot:step-2000 cold: --bwlimit 200MiB/s --delete-source
+      ckptctl promote /lustre/run1/step-2000 s3://ckpt/run1/step-2000 --dry-run
+      ckptctl promote s3://a/run/step-9 s3://b/run/step-9 \\
+          --src-option endpoint_url=http://a:9000 --dst-option endpoint_url=http://b:9000
+    """
+    from ..ops.promote import promote as do_promote
+    from ..ops.reshard import parse_size
+
+    s = resolve_place(src, storage_option, src_option, own_flag="--src-option")
+    d = resolve_place(dst, storage_option, dst_option, own_flag="--dst-option")
+    dst_url = d.url
+    if d.tier is not None and dst.rstrip().endswith(":"):  # TIER: -> under it, by SRC's name
+        dst_url = d.url.rstrip("/") + "/" + s.url.rstrip("/").rsplit("/", 1)[-1]
+    rate = bwlimit if bwlimit is not None else (d.tier.bwlimit if d.tier else None)
+    with byte_progress("promote", enabled=not (json or quiet or dry_run)) as bar:
+        r = do_promote(s.url, dst_url, s.storage_options, d.storage_options, bwlimit=rate,
+                       workers=workers, part_size=parse_size(part_size),
+                       delete_source=delete_source, dry_run=dry_run, on_bytes=bar,
+                       on_total=bar and bar.total)
+    if json:
+        emit_json(r.to_dict())
+        return
+    if r.action == "dry-run":
+        seal_note = "" if r.manifest_id else " (SRC is not sealed: a run seals it first)"
+        say(f"{r.dst}: would send {plural(len(r.to_send), 'file')}, "
+            f"{human_bytes(r.bytes_to_send)} of {human_bytes(r.bytes)}"
+            + (f"; {plural(r.files_skipped, 'file')} already there" if r.files_skipped else "")
+            + seal_note, quiet=quiet)
+        for rel in r.to_send:
+            say(f"  {rel}", quiet=quiet)
+        return
+    if r.action == "up-to-date":
+        say(f"{r.dst}: already committed with the same content (id {r.manifest_id})"
+            + ("; source removed" if r.deleted_source else ""), quiet=quiet)
+        return
+    resumed = (f", {plural(r.files_skipped, 'file')} and {plural(r.parts_resumed, 'part')} "
+               "already there" if r.files_skipped or r.parts_resumed else "")
+    say(f"{r.dst}: {plural(r.num_files, 'file')}, {human_bytes(r.bytes)}; sent "
+        f"{human_bytes(r.bytes_sent)} at {human_bytes(int(r.rate))}/s{resumed} "
+        f"({r.seconds:.2f}s)" + (", sealed SRC first" if r.sealed_source else "")
+        + ("; server-side copy" if r.server_copy else "")
+        + ("; source removed" if r.deleted_source else ""), quiet=quiet)
+    say(f"id {r.manifest_id}", quiet=quiet)

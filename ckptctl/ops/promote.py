@@ -1,0 +1,372 @@
+"""``promote``: copy a checkpoint to another place (tier), verified, rate-limited,
+resumable, and committed last.
+
+1. The source is sealed first when it is complete but unsealed (an incomplete source is
+   refused, exit 1); its manifest says what must arrive, byte for byte.
+2. Files are copied in parallel, large ones in parallel parts, under one rate limit;
+   every file is hashed while it is copied and published at the destination only when
+   it matches the manifest (:mod:`ckptctl.storage.transfer`). Data files go before the
+   format's own commit markers (DCP ``.metadata``, the HF index).
+3. Every file is checked at the destination by size (one listing), then the manifest is
+   written last. POSIX: everything lands in a hidden sibling folder
+   ``.NAME.ckptctl-promote`` that is renamed into place at the end. S3: a
+   ``.ckptctl-writing`` marker goes first (so ``ls``/``verify``/``latest`` call the prefix
+   incomplete), the data at the final keys, the marker is removed and the manifest is the
+   last object, written exclusively where the server honours it.
+4. A rerun after a crash skips files that are already complete and resumes unfinished
+   multipart uploads part by part from a journal (beside a local destination, in
+   ``~/.cache/ckptctl/promote`` for a remote one). ``dry_run`` says what a rerun would
+   still send.
+5. ``delete_source`` removes the source only after the destination is committed and
+   checked, its commit markers first.
+
+>>> r = promote("/nvme/run1/step-200", "s3://bucket/run1/step-200", bwlimit="200MiB/s")  # doctest: +SKIP
+>>> r.action, r.bytes_sent == r.bytes                                  # doctest: +SKIP
+('promoted', True)
+"""
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+import socket
+import time
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from ..errors import CkptError, Finding, UsageError
+from ..formats.detect import locate
+from ..formats.manifest import MANIFEST, WRITING_MARKER, Manifest, is_control_file
+from ..storage import open_store
+from ..storage.journal import Journal, journal_path_for
+from ..storage.ratelimit import RateLimiter, parse_rate
+from ..storage.store import Store
+from ..storage.transfer import DEFAULT_PART_SIZE, Transfer
+from .commit import commit
+
+#: Files a format reads as "this checkpoint is complete": they arrive after the data.
+COMMIT_MARKERS = (".metadata", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+#: The journal of a local destination, inside the hidden work folder.
+JOURNAL = ".ckptctl-promote.jsonl"
+WORK_SUFFIX = ".ckptctl-promote"
+
+
+@dataclass
+class PromoteResult:
+    src: str
+    dst: str
+    action: str  # promoted | up-to-date | dry-run
+    manifest_id: str
+    sealed_source: bool  # the source was sealed by this run
+    num_files: int
+    bytes: int
+    files_sent: int = 0
+    files_skipped: int = 0  # already complete at the destination (a resumed run)
+    bytes_sent: int = 0
+    parts_sent: int = 0
+    parts_resumed: int = 0
+    server_copy: bool = False
+    deleted_source: bool = False
+    seconds: float = 0.0
+    #: what a (re)run still sends: the dry run's answer, empty after a real run
+    to_send: list[str] = field(default_factory=list)
+    bytes_to_send: int = 0
+    #: requests made, per side, as counted by the stores
+    requests: dict = field(default_factory=dict)
+
+    @property
+    def rate(self) -> float:
+        return self.bytes_sent / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        doc = asdict(self)
+        doc["bytes_per_second"] = round(self.rate)
+        return doc
+
+
+def _order(names: list[str], sizes: dict[str, int]) -> list[str]:
+    """Data files, largest first (they take longest), then the commit markers.
+
+    >>> _order([".metadata", "a", "b"], {".metadata": 1, "a": 5, "b": 9})
+    ['b', 'a', '.metadata']
+    """
+    data = sorted((n for n in names if posixpath.basename(n) not in COMMIT_MARKERS),
+                  key=lambda n: (-sizes[n], n))
+    return data + sorted(n for n in names if posixpath.basename(n) in COMMIT_MARKERS)
+
+
+def _source(src: str, options: dict | None, *, dry_run: bool, workers: int):
+    """(store, listing, manifest, its bytes, sealed by us) of the source checkpoint."""
+    store, files, single = locate(src, options)
+    if single:
+        raise UsageError("promote takes a checkpoint folder (a lone file has no place for "
+                         "its manifest); put the file in its own folder", src)
+    sealed = False
+    if MANIFEST not in files:
+        if dry_run:
+            return store, files, None, None, False
+        from .seal import seal
+
+        seal(src, options, workers=workers)  # refuses an incomplete source (exit 1)
+        sealed = True
+        store, files, _ = locate(src, options)
+    raw = store.read(MANIFEST)
+    man = Manifest.parse(raw, store.display(MANIFEST))
+    for rel, rec in man.files.items():
+        if files.get(rel) != rec.size:
+            what = "missing" if rel not in files else f"{files[rel]} bytes, manifest says {rec.size}"
+            raise Finding(store.display(rel), f"source does not match its manifest ({what}); "
+                          "run `ckptctl verify` on it", code="MISSING_FILE" if rel not in files
+                          else "SIZE_MISMATCH")
+    return store, files, man, raw, sealed
+
+
+def _same_content(files: dict[str, int], man: Manifest) -> bool:
+    return all(files.get(rel) == rec.size for rel, rec in man.files.items())
+
+
+def _marker(man_id: str, journal: str | None) -> bytes:
+    return (json.dumps({"command": "promote", "source": man_id, "pid": os.getpid(),
+                        "host": socket.gethostname(), "journal": journal,
+                        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+            + "\n").encode()
+
+
+class _Destination:
+    """Where the files land before the commit, and how the commit publishes them."""
+
+    def __init__(self, dst: str, options: dict | None, man: Manifest | None, src_id: str | None):
+        self.final = open_store(dst, options)
+        self.local = self.final.is_local
+        self.man, self.src_id = man, src_id
+        if self.local:
+            parent, name = os.path.split(self.final.root.rstrip("/"))
+            if not name:
+                raise UsageError("promote needs a destination folder name, not /", dst)
+            self.work = open_store(os.path.join(parent, f".{name}{WORK_SUFFIX}"))
+        else:
+            self.work = self.final
+
+    def state(self) -> tuple[str, dict[str, int]]:
+        """("committed" | "other" | "resume" | "fresh", files at the work place)."""
+        final = self.final.list_files() if self.final.exists() else {}
+        if MANIFEST in final:
+            other = Manifest.parse(self.final.read(MANIFEST), self.final.display(MANIFEST))
+            if self.man is not None and other.id == self.man.id and _same_content(final, other):
+                return "committed", final
+            raise Finding(self.final.url, f"destination holds another checkpoint ({other.id}); "
+                          "remove it first (`ckptctl rm`) or choose another place",
+                          code="ALREADY_EXISTS")
+        if self.local:
+            if final:
+                raise Finding(self.final.url, "destination exists and is not empty; remove it "
+                              "first or choose another place", code="ALREADY_EXISTS")
+            work = self.work.list_files() if self.work.exists() else {}
+            return ("resume" if work else "fresh"), work
+        if not final:
+            return "fresh", {}
+        if WRITING_MARKER in final:
+            try:
+                doc = json.loads(self.final.read(WRITING_MARKER))
+            except (ValueError, CkptError):
+                doc = {}
+            if doc.get("command") == "promote" and doc.get("source") == self.src_id:
+                return "resume", final
+            raise Finding(self.final.display(WRITING_MARKER), "another writer "
+                          f"({doc.get('command', 'unknown')}) left or is writing this place; "
+                          "remove it first or choose another place", code="ALREADY_EXISTS")
+        raise Finding(self.final.url, "destination is not empty and holds no checkpoint of "
+                      "ckptctl's; remove it first or choose another place",
+                      code="ALREADY_EXISTS")
+
+    def journal_path(self) -> str:
+        return self.work.full(JOURNAL) if self.local else journal_path_for(self.final.url)
+
+    def begin(self, journal: str) -> None:
+        self.work.write_atomic(WRITING_MARKER, _marker(self.src_id, journal))
+
+    def commit(self, raw: bytes, journal: Journal) -> None:
+        journal.remove()
+        self.work.remove(WRITING_MARKER)
+        if not self.local:
+            commit(self.final, self.man, data=raw)
+            return
+        commit(self.work, self.man, data=raw)
+        self._publish()
+
+    def discard_work(self) -> None:
+        import shutil
+
+        shutil.rmtree(self.work.root, ignore_errors=False)
+
+    def _publish(self) -> None:
+        """Rename the sealed work folder into place (an empty destination folder is
+        replaced), then make the rename durable."""
+        final = self.final.root
+        if os.path.isdir(final) and not os.listdir(final):
+            os.rmdir(final)
+        os.rename(self.work.root, final)
+        from .output import _sync_dir
+
+        _sync_dir(os.path.dirname(final) or ".")
+
+
+def promote(src: str, dst: str, src_options: dict | None = None,
+            dst_options: dict | None = None, *, bwlimit: str | float | None = None,
+            workers: int = 4, part_size: int = DEFAULT_PART_SIZE, delete_source: bool = False,
+            dry_run: bool = False, limiter: RateLimiter | None = None,
+            on_bytes: Callable[[int], None] | None = None,
+            on_total: Callable[[int], None] | None = None) -> PromoteResult:
+    """Copy the checkpoint at ``src`` to ``dst`` (see the module docstring).
+
+    ``bwlimit`` (``"200MiB/s"``) or a shared ``limiter`` caps the bytes sent per second;
+    ``workers`` files or parts are sent at once, parts of ``part_size`` bytes.
+    Raises :class:`~ckptctl.errors.Finding` (exit 1) for an incomplete source, a source
+    that no longer matches its manifest, or a destination that holds something else.
+
+    >>> promote("hot/step-200", "warm/step-200", dry_run=True).to_send   # doctest: +SKIP
+    ['__0_0.distcp', '__1_0.distcp', '.metadata']
+    """
+    t0 = time.monotonic()
+    if workers < 1:
+        raise UsageError("--workers must be at least 1")
+    if part_size < (5 << 20):
+        raise UsageError("--part-size must be at least 5MiB (the S3 minimum)")
+    limiter = limiter or RateLimiter(parse_rate(bwlimit))
+    sstore, sfiles, man, raw, sealed = _source(src, src_options, dry_run=dry_run,
+                                               workers=workers)
+    if man is None:  # dry run of an unsealed source: what sealing would list
+        from ..formats.manifest import is_temp_name
+
+        names = [r for r in sfiles if not is_control_file(r) and not is_temp_name(r)]
+        return PromoteResult(sstore.url, dst, "dry-run", "", False, len(names),
+                             sum(sfiles[r] for r in names), to_send=_order(names, sfiles),
+                             bytes_to_send=sum(sfiles[r] for r in names),
+                             seconds=round(time.monotonic() - t0, 3))
+    d = _Destination(dst, dst_options, man, man.id)
+    if _overlaps(sstore, d.final):
+        raise UsageError(f"destination {d.final.url} overlaps the source {sstore.url}")
+    result = PromoteResult(sstore.url, d.final.url, "promoted", man.id, sealed,
+                           len(man.files), man.total_bytes)
+    state, present = d.state()
+    if state == "committed":
+        result.action = "up-to-date"
+        if delete_source and not dry_run:
+            result.deleted_source = _delete_source(sstore, sfiles)
+        result.seconds = round(time.monotonic() - t0, 3)
+        return result
+    if state == "resume" and d.local and MANIFEST in present and not dry_run:
+        _check_landed(d.work, man)  # killed between sealing the work folder and its rename
+        d._publish()
+        return _finish(result, sstore, sfiles, d, delete_source, t0)
+    journal = Journal(None if dry_run else d.journal_path(), {"source": man.id})
+    if state == "resume" and not d.local:
+        _adopt_published(journal, present, man)
+    elif state == "resume" and not journal.resumed and not dry_run:
+        d.discard_work()  # another source's leftovers: nothing there can be trusted
+        journal = Journal(d.journal_path(), {"source": man.id})
+        present = {}
+    todo = [rel for rel in man.files
+            if journal.files.get(rel) != (man.files[rel].hash, man.files[rel].size)]
+    result.to_send = _order(todo, {r: f.size for r, f in man.files.items()})
+    result.bytes_to_send = sum(man.files[r].size for r in todo)
+    result.files_skipped = len(man.files) - len(todo)
+    if dry_run:
+        result.action = "dry-run"
+        result.seconds = round(time.monotonic() - t0, 3)
+        return result
+    if on_total:
+        on_total(man.total_bytes)
+    if WRITING_MARKER not in present:
+        d.begin(journal.path)
+    t = Transfer(sstore, d.work, journal=journal, algo=man.hash, limiter=limiter,
+                 part_size=part_size, workers=workers, on_bytes=on_bytes)
+    result.server_copy = t.server_copy
+    try:
+        order = _order(list(man.files), {r: f.size for r, f in man.files.items()})
+        markers = [r for r in order if posixpath.basename(r) in COMMIT_MARKERS]
+        data = [r for r in order if r not in markers]
+        for batch in (data, markers):
+            for fc in _run(t, batch, man, workers):
+                if fc.how != "skipped":
+                    result.files_sent += 1
+                    result.bytes_sent += fc.sent
+                result.parts_sent += fc.parts_sent
+                result.parts_resumed += fc.parts_resumed
+        _check_landed(d.work, man)
+        d.commit(raw, journal)
+    finally:
+        t.close()
+        journal.close()
+    result.to_send, result.bytes_to_send = [], 0
+    return _finish(result, sstore, sfiles, d, delete_source, t0)
+
+
+def _finish(result: PromoteResult, sstore: Store, sfiles: dict[str, int], d: "_Destination",
+            delete_source: bool, t0: float) -> PromoteResult:
+    if delete_source:
+        result.deleted_source = _delete_source(sstore, sfiles)
+    result.requests = {"source": asdict(sstore.stats), "destination": asdict(d.work.stats)}
+    result.seconds = round(time.monotonic() - t0, 3)
+    return result
+
+
+def _run(t: Transfer, names: list[str], man: Manifest, workers: int):
+    """Copy ``names`` on ``workers`` threads; the first error stops the others (at their
+    next part) and is raised once they stopped."""
+    if not names:
+        return []
+    with ThreadPoolExecutor(max(1, min(workers, len(names))),
+                            thread_name_prefix="ckptctl-file") as pool:
+        futures = [pool.submit(t.copy, rel, man.files[rel].size, man.files[rel].hash)
+                   for rel in names]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    raise f.exception()
+            return [f.result() for f in futures]
+        except BaseException:
+            t.cancel.set()
+            for f in futures:
+                f.cancel()
+            raise
+
+
+def _adopt_published(journal: Journal, present: dict[str, int], man: Manifest) -> None:
+    """A remote destination's objects exist only once their upload completed, and an
+    upload completes only after its bytes matched the manifest: an object at its manifest
+    size under a marker naming this source is done, even when the journal is lost (a rerun
+    on another host)."""
+    for rel, rec in man.files.items():
+        if present.get(rel) == rec.size and rel not in journal.files:
+            journal.file_done(rel, rec.hash, rec.size)
+
+
+def _check_landed(work: Store, man: Manifest) -> None:
+    """One listing: every file the manifest names is at the destination, at its size."""
+    landed = work.list_files()
+    for rel, rec in man.files.items():
+        if landed.get(rel) != rec.size:
+            what = "missing" if rel not in landed else f"{landed[rel]} bytes, not {rec.size}"
+            raise Finding(work.display(rel), f"did not land at the destination ({what}); "
+                          "nothing was committed, rerun to resume", code="SIZE_MISMATCH")
+
+
+def _delete_source(store: Store, files: dict[str, int]) -> bool:
+    from .remove import remove_checkpoint
+
+    remove_checkpoint(store, files)
+    return True
+
+
+def _overlaps(a: Store, b: Store) -> bool:
+    if a.protocol != b.protocol or a.is_local != b.is_local:
+        return False
+    ra, rb = a.root.rstrip("/") + "/", b.root.rstrip("/") + "/"
+    if a.is_local:
+        ra, rb = os.path.realpath(a.root) + "/", os.path.realpath(b.root) + "/"
+    if not a.is_local and not a.same_server(b):
+        return False
+    return ra.startswith(rb) or rb.startswith(ra)
