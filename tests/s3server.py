@@ -106,6 +106,7 @@ class _Proxy(ThreadingHTTPServer):
 
 
 class _ProxyHandler(BaseHTTPRequestHandler):
+    disable_nagle_algorithm = True  # else each small answer waits ~40 ms for its ACK
     protocol_version = "HTTP/1.1"  # keep-alive towards the client; 100-continue handled here
     server: _Proxy
 

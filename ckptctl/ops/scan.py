@@ -11,9 +11,7 @@ of :class:`Region` consumers; :func:`scan_file` streams the file through them in
 """
 from __future__ import annotations
 
-import os
 import struct
-import threading
 from typing import Callable
 
 import numpy as np
@@ -27,9 +25,7 @@ try:  # same values as zlib's, ~3x faster
 except ImportError:  # pragma: no cover
     from zlib import crc32
 
-BLOCK = 1 << 20  # stays in cache between the read and the consumers
-REMOTE_BLOCK = 8 << 20
-_tls = threading.local()
+REMOTE_BLOCK = 8 << 20  # local files: Store.iter_blocks' 1 MiB buffer, reused per thread
 
 
 class Region:
@@ -184,28 +180,9 @@ def scan_file(store, rel: str, regions: list[Region], *, hasher=None,
         if on_bytes:
             on_bytes(len(mv))
 
-    path = store.local_path(rel)
-    with store._errors(rel):
-        if path is not None:
-            buf = getattr(_tls, "buf", None)
-            if buf is None:
-                buf = _tls.buf = memoryview(bytearray(BLOCK))
-            with open(path, "rb", buffering=0) as f:
-                if hasattr(os, "posix_fadvise"):
-                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-                while n := f.readinto(buf):
-                    consume(buf[:n])
-        elif store._small is not None and store._small.wants(rel):
-            consume(memoryview(store.read_range(rel, 0, store._small.sizes[rel])))
-        else:
-            with store.fs.open(store.full(rel), "rb", block_size=REMOTE_BLOCK) as f:
-                while block := f.read(REMOTE_BLOCK):
-                    consume(memoryview(block))
+    for block in store.iter_blocks(rel, block=REMOTE_BLOCK):
+        consume(block if isinstance(block, memoryview) else memoryview(block))
     for r in active + todo[nxt:]:  # they reach past the end of the file
         r.finish(False)
-    with store._lock:
-        store.stats.reads += 1
-        if path is not None or not (store._small is not None and store._small.wants(rel)):
-            store.stats.bytes_read += pos
     return pos
 

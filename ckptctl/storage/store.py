@@ -19,7 +19,7 @@ import posixpath
 import re
 import threading
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 from ..errors import (CkptError, NotFoundError, StorageError, UnsafeInputError, UsageError,
                       shorten)
@@ -46,6 +46,31 @@ class IOStats:
     reads: int = 0
     bytes_read: int = 0
     lists: int = 0
+    #: files and parts written by write_atomic, write_file and multipart.upload_part (a
+    #: write_file counts one, whatever fsspec sends for it)
+    writes: int = 0
+    bytes_written: int = 0
+    #: delete requests (S3: one per DeleteObjects batch of up to 1,000 keys)
+    deletes: int = 0
+    #: other requests: multipart create/complete/abort, server-side copies
+    requests: int = 0
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a store can promise (:attr:`Store.caps`).
+
+    ``atomic_rename``: a finished file can be renamed into place (POSIX). ``exclusive_create``:
+    a write can refuse an existing name (POSIX ``link``; S3 ``If-None-Match: *``, which some
+    servers ignore, rclone among them: a committer still reads back). ``server_side_copy``:
+    :func:`~ckptctl.storage.multipart.copy_object` copies without the bytes passing through
+    this process. ``multipart``: the :mod:`~ckptctl.storage.multipart` calls work.
+    """
+
+    atomic_rename: bool
+    exclusive_create: bool
+    server_side_copy: bool
+    multipart: bool
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict:
@@ -295,6 +320,44 @@ class Store:
         """A path the OS can open (for mmap), or None for remote stores."""
         return self.full(rel) if self.is_local else None
 
+    @property
+    def is_s3(self) -> bool:
+        return self.protocol in ("s3", "s3a")
+
+    @property
+    def caps(self) -> "Capabilities":
+        """What this store can promise (see :class:`Capabilities`).
+
+        >>> import tempfile
+        >>> open_store(tempfile.mkdtemp()).caps
+        Capabilities(atomic_rename=True, exclusive_create=True, server_side_copy=True, multipart=True)
+        """
+        if self.is_local:
+            return Capabilities(True, True, True, True)
+        if self.is_s3:  # If-None-Match is sent; whether the server honours it is its business
+            return Capabilities(False, True, True, True)
+        return Capabilities(False, False, False, False)
+
+    def same_server(self, other: "Store") -> bool:
+        """Can a server-side copy go from this store to ``other``? Both local, or both S3 at
+        the same endpoint with the same access key.
+
+        >>> import tempfile
+        >>> open_store(tempfile.mkdtemp()).same_server(open_store(tempfile.mkdtemp()))
+        True
+        """
+        if self.is_local or other.is_local:
+            return self.is_local and other.is_local
+        if not (self.is_s3 and other.is_s3):
+            return False
+        return (self._server().partition(":")[2] == other._server().partition(":")[2]
+                and getattr(self.fs, "key", None) == getattr(other.fs, "key", None))
+
+    def _count(self, **fields: int) -> None:
+        with self._lock:
+            for k, v in fields.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
+
     # ---------------------------------------------------------------- errors
     @contextlib.contextmanager
     def _errors(self, rel: str) -> Iterator[None]:
@@ -309,7 +372,9 @@ class Store:
         if server is not None:
             dead = _dead_server(server)
             if dead is not None:
-                raise StorageError(self.display(rel), dead[0], code=dead[1])
+                err = StorageError(self.display(rel), dead[0], code=dead[1])
+                err.transient = False  # not asked again: retrying only spins until it clears
+                raise err
         try:
             yield
         except CkptError:
@@ -318,7 +383,9 @@ class Store:
             budget = _s3_budget(self.fs)
             err = storage_error(self.display(rel), e, remote=not self.is_local,
                                 budget=budget, secrets=self._secrets())
-            if server is not None and err.code in _NO_SERVER:
+            # a connection cut mid-body broke one request, not the server: no trip, so an
+            # outer retry (retry.with_retries) gets to ask again
+            if server is not None and err.code in _NO_SERVER and _CUT not in err.message:
                 _mark_dead(server, err.message, err.code, budget or DEFAULT_TIMEOUT)
             raise err from None
 
@@ -420,6 +487,71 @@ class Store:
             return self._small.get(rel, lambda: self._read_whole(rel))
         return self._read_whole(rel)
 
+    def iter_blocks(self, rel: str, *, block: int = 8 << 20,
+                    on_bytes: Callable[[int], None] | None = None) -> Iterator[memoryview | bytes]:
+        """Stream a whole file in blocks, in order: the one read loop of ckptctl (hashing,
+        ``verify --level full``, copies).
+
+        Local files are read with ``readinto`` into a buffer this thread reuses (1 MiB: it
+        stays in cache while the caller hashes it), so a block is only valid until the next
+        one is asked for: consume or copy it first. Remote files stream ``block`` bytes per
+        read; small files the store caches (:meth:`cache_small_files`) come from the cache.
+        ``on_bytes(n)`` is called for each block; stats count one read and the bytes; every
+        failure is one :class:`CkptError` naming ``rel``.
+
+        >>> import tempfile, pathlib
+        >>> d = tempfile.mkdtemp(); _ = pathlib.Path(d, "f").write_bytes(b"x" * 3_000_000)
+        >>> [len(b) for b in open_store(d).iter_blocks("f")]
+        [1048576, 1048576, 902848]
+        """
+        if self._small is not None and self._small.wants(rel):
+            data = self.read(rel)  # counted by the read
+            if data:
+                if on_bytes:
+                    on_bytes(len(data))
+                yield memoryview(data)
+            return
+        total = 0
+        try:
+            if self.is_local:
+                buf = _take_buffer()
+                try:
+                    with self._errors(rel):
+                        f = open(self.full(rel), "rb", buffering=0)
+                    with f:
+                        if hasattr(os, "posix_fadvise"):
+                            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                        mv = memoryview(buf)
+                        while True:
+                            with self._errors(rel):
+                                n = f.readinto(mv)
+                            if not n:
+                                break
+                            total += n
+                            if on_bytes:
+                                on_bytes(n)
+                            yield mv[:n]
+                finally:
+                    _give_buffer(buf)
+            else:
+                with self._errors(rel):
+                    f = self.fs.open(self.full(rel), "rb", block_size=block)
+                try:
+                    while True:
+                        with self._errors(rel):
+                            data = f.read(block)
+                        if not data:
+                            break
+                        total += len(data)
+                        if on_bytes:
+                            on_bytes(len(data))
+                        yield data
+                finally:
+                    with contextlib.suppress(Exception):
+                        f.close()
+        finally:
+            self._count(reads=1, bytes_read=total)
+
     def _read_whole(self, rel: str) -> bytes:
         with self._errors(rel):
             data = self.fs.cat_file(self.full(rel))
@@ -508,14 +640,15 @@ class Store:
         if self.is_local:
             self._forget(rel)
             self._write_atomic_local(rel, full, data, exclusive)
-            return
-        with self._errors(rel):
-            try:
-                self.fs.pipe_file(full, data, mode="create" if exclusive else "overwrite")
-            except FileExistsError:
-                from ..errors import Finding
-                raise Finding(self.display(rel), "already exists (another writer committed it)",
-                              code="ALREADY_EXISTS") from None
+        else:
+            with self._errors(rel):
+                try:
+                    self.fs.pipe_file(full, data, mode="create" if exclusive else "overwrite")
+                except FileExistsError:
+                    from ..errors import Finding
+                    raise Finding(self.display(rel), "already exists (another writer "
+                                  "committed it)", code="ALREADY_EXISTS") from None
+        self._count(writes=1, bytes_written=len(data))
 
     def _write_atomic_local(self, rel: str, full: str, data: bytes, exclusive: bool) -> None:
         import tempfile
@@ -552,6 +685,144 @@ class Store:
             finally:
                 os.close(dfd)
 
+    def write_file(self, rel: str, blocks: Iterable[bytes | memoryview], *,
+                   algo: str | None = "xxh3-128",
+                   on_bytes: Callable[[int], None] | None = None) -> tuple[str | None, int]:
+        """Write a file from a stream of blocks, hashing them on the way: (hex digest or
+        None when ``algo`` is None, size).
+
+        Durable before it returns, and all or nothing: POSIX writes a hidden temp file in
+        the same folder, fsyncs it, renames it into place and fsyncs the folder; S3 sends
+        one PUT or a multipart upload (fsspec). If anything fails, the blocks' producer
+        included, nothing appears at ``rel`` (temp file removed, upload aborted) and the
+        error is raised (a storage failure as one :class:`CkptError` naming ``rel``).
+
+        >>> import tempfile
+        >>> s = open_store(tempfile.mkdtemp())
+        >>> s.write_file("a/b.bin", [b"abc", memoryview(b"def")], algo="sha256")[1]
+        6
+        >>> s.read("a/b.bin")
+        b'abcdef'
+        """
+        from .hashing import new_hasher
+
+        h = new_hasher(algo) if algo else None
+        total = 0
+        full = self.full(rel)
+        self._uncache(rel)
+
+        def each(write) -> None:
+            nonlocal total
+            for b in blocks:  # pulled outside the error mapping: the producer's own errors stay its own
+                n = len(b) if not isinstance(b, memoryview) else b.nbytes
+                with self._errors(rel):
+                    write(b)
+                if h is not None:
+                    h.update(b)
+                total += n
+                if on_bytes:
+                    on_bytes(n)
+
+        if self.is_local:
+            import tempfile
+
+            self._forget(rel)
+            folder = os.path.dirname(full)
+            with self._errors(rel):
+                os.makedirs(folder, exist_ok=True)
+                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(full)}.", suffix=".tmp",
+                                           dir=folder)
+            try:
+                with open(fd, "wb") as f:
+                    with self._errors(rel):
+                        umask = os.umask(0)
+                        os.umask(umask)
+                        os.fchmod(fd, 0o666 & ~umask)
+                    each(f.write)
+                    with self._errors(rel):
+                        f.flush()
+                        os.fsync(f.fileno())
+                with self._errors(rel):
+                    os.replace(tmp, full)
+                    tmp = None
+                    sync_dir(folder)
+            finally:
+                if tmp is not None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(tmp)
+        else:
+            f = self.open(rel, "wb")
+            try:
+                each(f.write)
+            except BaseException:
+                f.discard()
+                raise
+            f.close()  # completes the upload (aborts it if that fails)
+        self._count(writes=1, bytes_written=total)
+        return (h.hexdigest() if h is not None else None), total
+
+    def remove_many(self, rels: Sequence[str]) -> int:
+        """Delete files in the order given (missing ones are fine); returns how many names
+        were handled (``len(rels)``).
+
+        Every name is checked (no escape from the root) before anything is deleted. POSIX
+        unlinks one by one and then fsyncs each folder touched, so a caller that removes a
+        commit marker in one call and the data in a second call has the marker's removal
+        durable first. S3 sends DeleteObjects batches of up to 1,000 keys, one after the
+        other; any key the server refuses to delete raises (one line, the first key).
+
+        >>> import tempfile, pathlib
+        >>> d = tempfile.mkdtemp(); _ = [pathlib.Path(d, n).write_bytes(b"") for n in "ab"]
+        >>> s = open_store(d); s.remove_many(["a", "b", "missing"]), s.list_files()
+        (3, {})
+        """
+        rels = list(rels)
+        fulls = [self.full(r) for r in rels]
+        for r in rels:
+            self._uncache(r)
+        if self.is_local:
+            folders: dict[str, None] = {}
+            for r, full in zip(rels, fulls):
+                self._forget(r)
+                with self._errors(r):
+                    try:
+                        os.unlink(full)
+                    except FileNotFoundError:
+                        continue
+                self._count(deletes=1)
+                folders.setdefault(os.path.dirname(full))
+            for folder in folders:
+                with self._errors(os.path.relpath(folder, self.root)):
+                    with contextlib.suppress(FileNotFoundError):
+                        sync_dir(folder)
+        elif self.is_s3:
+            for i in range(0, len(rels), DELETE_BATCH):
+                self._delete_batch(rels[i:i + DELETE_BATCH], fulls[i:i + DELETE_BATCH])
+        else:
+            for r in rels:
+                self.remove(r)
+        return len(rels)
+
+    def _delete_batch(self, rels: list[str], fulls: list[str]) -> None:
+        bucket = fulls[0].partition("/")[0]
+        objects = [{"Key": f.partition("/")[2]} for f in fulls]
+        with self._errors(rels[0]):
+            resp = self.fs.call_s3("delete_objects", Bucket=bucket,
+                                   Delete={"Objects": objects, "Quiet": True})
+        self._count(deletes=1)
+        with contextlib.suppress(Exception):
+            self.fs.invalidate_cache(self.root)
+        errors = resp.get("Errors") or []
+        if errors:
+            first = errors[0]
+            key = f"{bucket}/{first.get('Key', '')}"
+            rel = dict(zip(fulls, rels)).get(key, rels[0])
+            why = ": ".join(x for x in (str(first.get("Code") or ""),
+                                        shorten(str(first.get("Message") or ""), 80)) if x)
+            raise StorageError(self.display(rel), _scrub(
+                f"the server refused to delete {len(errors)} of {len(rels)} objects"
+                f"{f' ({why})' if why else ''}", self._secrets()))
+
     def remove(self, rel: str) -> None:
         """Delete one file (missing is fine)."""
         self._uncache(rel)
@@ -562,6 +833,58 @@ class Store:
                 self.fs.rm_file(self.full(rel))
             except FileNotFoundError:
                 pass
+        self._count(deletes=1)
+
+
+#: Keys per S3 DeleteObjects request (the API's maximum).
+DELETE_BATCH = 1000
+#: Local streamed reads use buffers of this size (measured faster than 8 MiB: the block
+#: stays in cache between the read and the hash).
+LOCAL_BLOCK = 1 << 20
+_tls = threading.local()
+
+
+def _take_buffer() -> bytearray:
+    """A 1 MiB read buffer for this thread, reused across files (fresh memory is slow to
+    touch); a nested reader in the same thread gets a buffer of its own."""
+    free = getattr(_tls, "free", None)
+    if free is None:
+        free = _tls.free = []
+    return free.pop() if free else bytearray(LOCAL_BLOCK)
+
+
+def _give_buffer(buf: bytearray) -> None:
+    free = getattr(_tls, "free", None)  # a generator may be closed from another thread
+    if free is None:
+        free = _tls.free = []
+    if len(free) < 4:
+        free.append(buf)
+
+
+def sync_dir(folder: str) -> None:
+    """Make a folder's entries (files created, renamed or removed in it) durable. A file
+    system that cannot fsync a folder (EINVAL) has nothing more to offer: not an error.
+
+    >>> import tempfile; sync_dir(tempfile.mkdtemp())
+    """
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
+
+
+def error_code(e: BaseException) -> str | None:
+    """The S3 error code (``NoSuchUpload``...) or ``HTTP <status>`` an exception carries,
+    looking through its causes; None for anything else.
+
+    >>> error_code(ValueError("x")) is None
+    True
+    """
+    return _client_code(_chain(e))
 
 
 class StoreFile:
@@ -677,6 +1000,7 @@ def _mark_closed(f) -> None:
 
 #: Error codes after which talking to the server again (to abort an upload) is pointless.
 _NO_SERVER = ("REMOTE_TIMEOUT", "REMOTE_UNREACHABLE")
+_CUT = "connection closed by the server"
 _dead: dict[str, tuple[float, str, str]] = {}  # server -> (monotonic deadline, message, code)
 _dead_lock = threading.Lock()
 
@@ -772,8 +1096,11 @@ def storage_error(shown: str, e: BaseException, *, remote: bool = False,
     code = _client_code(chain) if remote else None
     after = f" after {budget:g} s" if budget else ""
 
-    def bad(message: str, code_: str = "IO_ERROR", cls=StorageError) -> CkptError:
-        return cls(shown, _scrub(message, secrets), code=code_)
+    def bad(message: str, code_: str = "IO_ERROR", cls=StorageError, *,
+            transient: bool = False) -> CkptError:
+        err = cls(shown, _scrub(message, secrets), code=code_)
+        err.transient = transient  # retry.is_transient: worth trying again later?
+        return err
 
     if code == "NoSuchBucket":
         return bad("no such bucket", "MISSING_FILE", NotFoundError)
@@ -793,24 +1120,29 @@ def storage_error(shown: str, e: BaseException, *, remote: bool = False,
     if code in ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                 "TooManyRequests", "HTTP 429"):
         return bad(f"server is throttling requests ({code}); still refused{after}, "
-                   "retry later or raise --timeout", "REMOTE_TIMEOUT")
+                   "retry later or raise --timeout", "REMOTE_TIMEOUT", transient=True)
     if code in ("RequestTimeout",):
-        return bad(f"server timed out reading the request ({code})", "REMOTE_TIMEOUT")
+        return bad(f"server timed out reading the request ({code})", "REMOTE_TIMEOUT",
+                   transient=True)
     if code in ("InternalError", "ServiceUnavailable", "HTTP 500", "HTTP 502", "HTTP 503",
                 "HTTP 504"):
-        return bad(f"server error ({code})")
+        return bad(f"server error ({code})", transient=True)
     if names & {"ReadTimeoutError", "ConnectTimeoutError", "TimeoutError", "FSTimeoutError",
                 "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError"}:
         if "ConnectTimeoutError" in names:
-            return bad(f"remote unreachable (connect timed out{after})", "REMOTE_UNREACHABLE")
-        return bad(f"timed out{after} (server not answering; see --timeout)", "REMOTE_TIMEOUT")
+            return bad(f"remote unreachable (connect timed out{after})", "REMOTE_UNREACHABLE",
+                       transient=True)
+        return bad(f"timed out{after} (server not answering; see --timeout)", "REMOTE_TIMEOUT",
+                   transient=True)
     if names & {"ConnectionRefusedError"} or any(
             getattr(x, "errno", None) == errno.ECONNREFUSED for x in chain):
-        return bad("remote unreachable (connection refused)", "REMOTE_UNREACHABLE")
+        return bad("remote unreachable (connection refused)", "REMOTE_UNREACHABLE",
+                   transient=True)
     if names & {"gaierror", "ClientConnectorDNSError"}:
         return bad("remote unreachable (host name not found)", "REMOTE_UNREACHABLE")
     if names & {"EndpointConnectionError", "ClientConnectorError", "ProxyConnectionError"}:
-        return bad("remote unreachable (could not connect)", "REMOTE_UNREACHABLE")
+        return bad("remote unreachable (could not connect)", "REMOTE_UNREACHABLE",
+                   transient=True)
     if names & {"SSLError", "ClientSSLError", "SSLCertVerificationError"}:
         return bad("TLS error talking to the server (certificate or protocol)",
                    "REMOTE_UNREACHABLE")
@@ -818,7 +1150,8 @@ def storage_error(shown: str, e: BaseException, *, remote: bool = False,
                 "BrokenPipeError", "ClientPayloadError", "IncompleteRead",
                 "IncompleteReadError", "ResponseStreamingError", "ClientOSError",
                 "ConnectionAbortedError"}:
-        return bad("remote unreachable (connection closed by the server)", "REMOTE_UNREACHABLE")
+        return bad(f"remote unreachable ({_CUT})", "REMOTE_UNREACHABLE",
+                   transient=True)
     if code == "PreconditionFailed" or isinstance(e, FileExistsError):
         return bad("already exists", "ALREADY_EXISTS")
     if code:  # any other answer of the server: its code says what it refused
