@@ -58,6 +58,10 @@ ENVIRONMENT = [
      "S3 access key; the key storage option (-o key=...) overrides it."),
     ("AWS_SECRET_ACCESS_KEY",
      "S3 secret key; the secret storage option (-o secret=...) overrides it."),
+    ("CKPTCTL_CONFIG",
+     "The tier config file when --config is not given (else ./ckptctl.toml). A tier's "
+     "storage_options win over the AWS_* variables; -o and --src-option/--dst-option over "
+     "those, key by key."),
 ]
 
 @dataclass(frozen=True)

@@ -225,6 +225,58 @@ def test_consolidate_json_error(cli, run, tmp_path):
     assert e["code"] == "USAGE" and "--to" in e["message"]
 
 
+def test_tiers_json(cli, run, tmp_path):
+    f = tmp_path / "ckptctl.toml"
+    f.write_text(f'[[tier]]\nname = "hot"\nurl = "{run}"\nkeep = {{ last = 2 }}\n'
+                 f'[[tier]]\nname = "cold"\nurl = "{tmp_path / "cold"}"\nbwlimit = "1MiB/s"\n')
+    doc = _json_ok(cli, "tiers", "--config", str(f))
+    assert doc["config"] == str(f) and doc["ok"] is True and doc["checked"] is True
+    assert [(t["name"], t["url"], t["bwlimit"], t["keep"], t["ok"]) for t in doc["tiers"]] == [
+        ("hot", str(run), None, {"last": 2}, True),
+        ("cold", str(tmp_path / "cold"), float(1 << 20), None, True)]
+    assert all(isinstance(t["seconds"], float) for t in doc["tiers"])
+
+
+def test_tiers_json_error(cli, tmp_path):
+    f = tmp_path / "ckptctl.toml"
+    f.write_text('[[tier]]\nname = "hot"\nurl = "/x"\nkeep = { lats = 2 }\n')
+    e = _json_error(cli, 2, "tiers", "--config", str(f))
+    assert e["code"] == "USAGE" and e["path"] == str(f) and "'lats'" in e["message"]
+
+
+def test_gc_json(cli, run):
+    doc = _json_ok(cli, "gc", str(run), "--keep-last", "1", "--dry-run")
+    assert doc["root"] == str(run) and doc["dry_run"] is True and doc["remove"] == []
+    (c,) = doc["checkpoints"]
+    assert (c["url"], c["action"], c["reasons"]) == \
+        (str(run / "step-42"), "keep", ["last 1", "newest committed"])
+    assert c["bytes"] == sum(_sizes(run / "step-42").values()) and doc["bytes"] == 0
+
+
+def test_gc_json_error(cli, run):
+    e = _json_error(cli, 2, "gc", str(run))
+    assert e["code"] == "USAGE" and "empty policy" in e["message"]
+
+
+def test_promote_json(cli, run, tmp_path):
+    dst = tmp_path / "warm" / "step-42"
+    doc = _json_ok(cli, "promote", str(run / "step-42"), str(dst))
+    landed = _sizes(dst)
+    assert (doc["src"], doc["dst"], doc["action"]) == (str(run / "step-42"), str(dst), "promoted")
+    assert doc["sealed_source"] is True and doc["num_files"] == len(landed) - 1  # + manifest
+    assert doc["bytes"] == doc["bytes_sent"] == sum(n for f, n in landed.items() if f != MANIFEST)
+    # the data, the marker and the manifest: nothing else, nothing twice
+    assert doc["requests"]["destination"]["write_bytes"] > doc["bytes"]
+    again = _json_ok(cli, "promote", str(run / "step-42"), str(dst))
+    assert (again["action"], again["bytes_sent"]) == ("up-to-date", 0)
+
+
+def test_promote_json_error(cli, run, tmp_path):
+    (run / "step-42" / ".metadata").unlink()
+    e = _json_error(cli, 1, "promote", str(run / "step-42"), str(tmp_path / "dst"))
+    assert e["code"] == "NOT_COMMITTED" and "refusing to seal" in e["message"], e
+
+
 def test_interrupted_json_error(tmp_path):
     """Ctrl-C: "interrupted" on stderr, exit 130, and the error object on stdout. The
     command blocks reading its --rules file (a FIFO), so the signal lands mid-command."""
@@ -266,5 +318,6 @@ def test_every_command_with_json_is_covered():
     group = typer.main.get_command(app)
     with_json = {name for name, cmd in group.commands.items()
                  if any("--json" in p.opts for p in cmd.params)}
-    covered = {"ls", "inspect", "verify", "seal", "reshard", "consolidate"}
+    covered = {"ls", "inspect", "verify", "seal", "reshard", "consolidate", "tiers", "gc",
+               "promote"}
     assert with_json == covered, with_json ^ covered

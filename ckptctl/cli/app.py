@@ -2,6 +2,8 @@
 command on :data:`app`; ``cli/main.py`` imports them all and runs it."""
 from __future__ import annotations
 
+from typing import Optional
+
 import typer
 
 from .. import __version__
@@ -36,9 +38,18 @@ def _global(
         60.0, "--timeout", metavar="SECONDS", envvar="CKPTCTL_TIMEOUT",
         help="Most seconds one remote (S3) request may take, retries included; a dead or "
              "silent server then stops the command with exit 3."),
+    config: Optional[str] = typer.Option(
+        None, "--config", metavar="FILE",
+        help="Tier config (TOML, see `ckptctl tiers`): TIER: and TIER:NAME then stand for "
+             "a URL anywhere one is taken. Default: $CKPTCTL_CONFIG, else ./ckptctl.toml "
+             "if there is one."),
 ):
     from ..storage.store import forget_dead_servers, set_timeout
 
     del debug  # read from argv by main(), before parsing: it must hold on every error path
     set_timeout(timeout)  # UsageError (exit 2) unless > 0
+    if config:  # checked now (exit 2), even when no TIER: is used
+        from ..config import find_config, load_config
+
+        load_config(find_config(config))
     forget_dead_servers()  # one command's verdicts on servers do not leak into the next

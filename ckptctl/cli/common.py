@@ -110,13 +110,104 @@ def say(text: str = "", *, quiet: bool = False) -> None:
     if not quiet:
         print(text)
 
+#: Which storage options win, key by key (DESIGN.md, "Storage and tiers", says the same).
+PRECEDENCE = ("Key by key: --src-option/--dst-option > -o > the tier's storage_options "
+              "(ckptctl.toml) > AWS_* variables.")
+
 StorageOpt = typer.Option(
     None, "--storage-option", "-o", metavar="KEY=VALUE",
-    help="fsspec storage option, repeatable (endpoint_url=..., key=..., secret=...). "
-         "S3 also reads AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY.")
+    help="fsspec storage option for every place the command touches, repeatable "
+         "(endpoint_url=..., key=..., secret=...; dotted keys nest: "
+         "config_kwargs.read_timeout=300). S3 also reads AWS_ENDPOINT_URL, "
+         "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY. " + PRECEDENCE)
+SrcOpt = typer.Option(
+    None, "--src-option", metavar="KEY=VALUE",
+    help="Storage option for SRC only, repeatable; wins over -o, key by key (e.g. a copy "
+         "between two S3 endpoints).")
+DstOpt = typer.Option(
+    None, "--dst-option", metavar="KEY=VALUE",
+    help="Storage option for DST only, repeatable; wins over -o, key by key.")
 
 
-def storage_options(pairs: list[str] | None) -> dict:
+def storage_options(pairs: list[str] | None, flag: str = "--storage-option") -> dict:
+    """``KEY=VALUE`` flags as fsspec options (:func:`~ckptctl.storage.parse_storage_options`);
+    a pair without ``=`` is a usage error naming ``flag``.
+
+    >>> storage_options(["endpoint_url=http://x:9", "use_ssl=false"])
+    {'endpoint_url': 'http://x:9', 'use_ssl': False}
+    >>> storage_options(["endpoint_url"], "--src-option")
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: --src-option expects key=value, got 'endpoint_url'
+    """
+    from ..errors import UsageError
     from ..storage import parse_storage_options
 
+    for pair in pairs or ():
+        key, sep, _ = pair.partition("=")
+        if not sep or not key:
+            raise UsageError(f"{flag} expects key=value, got {key!r}")
     return parse_storage_options(pairs)
+
+
+def current_config(ctx):
+    """The tier config of this command line (the global ``--config`` read from the typer
+    context ``ctx``, else ``$CKPTCTL_CONFIG``, else ``./ckptctl.toml``), read once per
+    command; an empty :class:`~ckptctl.config.Config` when there is none (``ctx`` None:
+    the variable and the working directory only).
+
+    >>> current_config(None).tiers
+    ()
+    """
+    from ..config import find_config, load_config
+
+    ctx = ctx if ctx is not None else _running_context()
+    root = ctx.find_root() if ctx is not None else None
+    if root is not None and "ckptctl.config" in root.meta:
+        return root.meta["ckptctl.config"]
+    explicit = root.params.get("config") if root is not None else None
+    cfg = load_config(find_config(explicit))
+    if root is not None:
+        root.meta["ckptctl.config"] = cfg
+    return cfg
+
+
+def _running_context():
+    """The click context of the command being run (None outside one). typer 0.12+ uses
+    click, later versions a vendored copy: ask the package its Context class comes from."""
+    import importlib
+
+    import typer
+
+    try:
+        core = next(c for c in typer.Context.__mro__[1:] if c.__name__ == "Context").__module__
+        return importlib.import_module(core.rsplit(".", 1)[0] + ".globals") \
+            .get_current_context(silent=True)
+    except (StopIteration, ImportError, AttributeError):
+        return None
+
+
+def resolve_place(ctx, text: str | None = None, common: list[str] | None = None,
+                  own: list[str] | None = None, *, own_flag: str = "--storage-option"):
+    """The one way a verb turns a URL, path, ``TIER:`` or ``TIER:NAME`` and its option
+    flags into a :class:`~ckptctl.config.Place` (url, storage_options, tier); ``ctx`` is
+    the verb's ``typer.Context`` (it carries the global ``--config``). Called as
+    ``resolve_place(text, common, own)`` it finds the running command's context itself.
+
+    ``common`` are the ``-o`` pairs (every place of the command), ``own`` this place's
+    own pairs (``--src-option``/``--dst-option``, named ``own_flag`` in errors). Key by
+    key: ``own`` > ``common`` > the tier's storage_options > the environment (AWS_*,
+    applied by the store for keys still unset).
+
+    >>> p = resolve_place(None, "/data/step-1", ["endpoint_url=http://a:1", "key=k"],
+    ...                   ["endpoint_url=http://b:2"], own_flag="--src-option")
+    >>> p.url, p.storage_options
+    ('/data/step-1', {'endpoint_url': 'http://b:2', 'key': 'k'})
+    """
+    from ..config import Place, merge_options, resolve, tier_reference
+
+    if isinstance(ctx, str):  # resolve_place(text, common, own)
+        ctx, text, common, own = None, ctx, text, common
+    opts = merge_options(storage_options(common), storage_options(own, own_flag))
+    if tier_reference(text) is None:  # a URL or path: the config is not even read
+        return Place(text, opts, None)
+    return resolve(text, config=current_config(ctx), options=opts)

@@ -5,8 +5,8 @@ from typing import List, Optional
 
 import typer
 
-from .common import (JsonOpt, QuietOpt, StorageOpt, check_size, emit_json, human_bytes,
-                     plural, print_table, say, storage_options)
+from .common import (DstOpt, JsonOpt, QuietOpt, SrcOpt, StorageOpt, check_size, emit_json,
+                     human_bytes, plural, print_table, resolve_place, say)
 from .app import app
 from .progress import byte_progress
 
@@ -19,8 +19,11 @@ ForceOpt = typer.Option(False, "--force", help="Replace a non-empty DST (e.g. wh
 
 @app.command()
 def reshard(
-    src: str = typer.Argument(..., metavar="SRC", help="Source checkpoint, any format/place."),
-    dst: str = typer.Argument(..., metavar="DST", help="New folder for the DCP checkpoint."),
+    ctx: typer.Context,
+    src: str = typer.Argument(..., metavar="SRC", help="Source checkpoint, any format/place "
+                              "(path, s3://..., TIER:NAME)."),
+    dst: str = typer.Argument(..., metavar="DST", help="New folder for the DCP checkpoint "
+                              "(path, s3://..., TIER:NAME)."),
     mesh: Optional[str] = typer.Option(None, "--mesh", metavar="DIMS",
                                        help="Target mesh in DeviceMesh order, e.g. dp=8,tp=4."),
     rules: Optional[str] = typer.Option(None, "--rules", metavar="PRESET|FILE",
@@ -37,6 +40,8 @@ def reshard(
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
+    src_option: Optional[List[str]] = SrcOpt,
+    dst_option: Optional[List[str]] = DstOpt,
 ):
     """Write SRC as a DCP checkpoint for a new mesh: rank r's DTensor shards in rank r's file.
 
@@ -48,13 +53,18 @@ def reshard(
       ckptctl reshard ckpt/ out/ --mesh dp=2,tp=2 --rules llama --dry-run
       ckptctl reshard ckpt/ out/ --mesh dp=8,tp=4 --rules rules.toml
       ckptctl reshard s3://runs/llama/step-12000 /nvme/step-12000 --world-size 8
+      ckptctl reshard s3://a/run/step-9 s3://b/run/step-9 --world-size 8 \\
+          --src-option endpoint_url=http://a:9000 --dst-option endpoint_url=http://b:9000
     """
     from ..ops import reshard as do_reshard
 
+    src_place = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
+    dst_place = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")
     with byte_progress("reshard", enabled=not (json or quiet or dry_run)) as cb:
-        r = do_reshard(src, dst, mesh=mesh, rules=rules, world_size=world_size,
-                       max_memory=max_memory, workers=workers, dry_run=dry_run, force=force,
-                       storage_options=storage_options(storage_option),
+        r = do_reshard(src_place.url, dst_place.url, mesh=mesh, rules=rules,
+                       world_size=world_size, max_memory=max_memory, workers=workers,
+                       dry_run=dry_run, force=force, storage_options=src_place.storage_options,
+                       dst_storage_options=dst_place.storage_options,
                        on_bytes=cb, on_total=cb and cb.total)
     if json:
         emit_json(r.to_dict())
@@ -88,9 +98,12 @@ def _first(names: list[str], count: int) -> str:
 
 @app.command()
 def consolidate(
-    src: str = typer.Argument(..., metavar="SRC", help="Source checkpoint, any format/place."),
+    ctx: typer.Context,
+    src: str = typer.Argument(..., metavar="SRC", help="Source checkpoint, any format/place "
+                              "(path, s3://..., TIER:NAME)."),
     dst: str = typer.Argument(..., metavar="DST",
-                              help="New folder (or a .pt/.bin file name with --to torch)."),
+                              help="New folder (or a .pt/.bin file name with --to torch); "
+                                   "path, s3://..., TIER:NAME."),
     to: str = typer.Option("safetensors", "--to", metavar="FORMAT",
                            help="safetensors (HF layout), torch (torch.save) or dcp."),
     only: Optional[str] = typer.Option(None, "--only", metavar="PART",
@@ -112,6 +125,8 @@ def consolidate(
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
+    src_option: Optional[List[str]] = SrcOpt,
+    dst_option: Optional[List[str]] = DstOpt,
 ):
     """Write one full tensor per entry (safetensors, torch.save or DCP), then seal it.
 
@@ -128,14 +143,18 @@ def consolidate(
       ckptctl consolidate ckpt/ model.pt --to torch --only model --dtype bf16
       ckptctl consolidate s3://runs/llama/step-12000 hf/ --max-shard-size 2GB
       ckptctl consolidate hf-run/checkpoint-500 hf/ --include 'README.md'
+      ckptctl consolidate warm:step-12000 cold:hf-12000 --only model
     """
     from ..ops import consolidate as do_consolidate
 
+    src_place = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
+    dst_place = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")
     with byte_progress("consolidate", enabled=not (json or quiet)) as cb:
-        r = do_consolidate(src, dst, to=to, only=only, dtype=dtype, strip_prefix=strip_prefix,
-                           max_shard_size=max_shard_size, max_memory=max_memory,
-                           workers=workers, force=force,
-                           storage_options=storage_options(storage_option),
+        r = do_consolidate(src_place.url, dst_place.url, to=to, only=only, dtype=dtype,
+                           strip_prefix=strip_prefix, max_shard_size=max_shard_size,
+                           max_memory=max_memory, workers=workers, force=force,
+                           storage_options=src_place.storage_options,
+                           dst_storage_options=dst_place.storage_options,
                            on_bytes=cb, on_total=cb and cb.total, include=include)
     if json:
         emit_json(r.to_dict())

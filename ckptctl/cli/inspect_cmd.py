@@ -6,13 +6,14 @@ from typing import List, Optional
 import typer
 
 from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, human_count,
-                     plural, print_table, say, storage_options)
+                     plural, print_table, resolve_place, say)
 from .app import app
 
 
 @app.command()
 def inspect(
-    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder or file: path, file://, s3://..."),
+    ctx: typer.Context,
+    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder or file: path, file://, s3://..., TIER:NAME."),
     json: bool = JsonOpt,
     tensors: bool = typer.Option(False, "--tensors", help="List every tensor."),
     tree: bool = typer.Option(False, "--tree", help="Group tensors by module prefix."),
@@ -33,11 +34,13 @@ def inspect(
       ckptctl inspect ckpt/step-20 --tree --filter 'model.layers.0.*'
       ckptctl inspect hf/model.safetensors --tensors
       ckptctl inspect s3://runs/llama/step-12000 --json
+      ckptctl inspect cold:step-12000        # NAME under a tier of ckptctl.toml
     """
     from ..errors import shorten
     from ..ops import inspect as do_inspect
 
-    r = do_inspect(url, storage_options(storage_option), filter=filter,
+    place = resolve_place(ctx, url, storage_option)
+    r = do_inspect(place.url, place.storage_options, filter=filter,
                    show_objects=show_objects, tree=tree)
     if json:
         doc = r.to_dict()

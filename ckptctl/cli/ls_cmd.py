@@ -6,13 +6,14 @@ from typing import List, Optional
 
 import typer
 
-from .common import JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, print_table, storage_options
+from .common import JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, print_table, resolve_place
 from .app import app
 
 
 @app.command()
 def ls(
-    root: str = typer.Argument(..., metavar="ROOT", help="Folder or prefix holding checkpoints."),
+    ctx: typer.Context,
+    root: str = typer.Argument(..., metavar="ROOT", help="Folder or prefix holding checkpoints, or TIER: (a tier of the config)."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
@@ -23,10 +24,12 @@ def ls(
     EXAMPLES
       ckptctl ls /lustre/run1
       ckptctl ls s3://runs/llama -o endpoint_url=http://minio:9000 --json
+      ckptctl ls warm:                       # a tier of ckptctl.toml
     """
     from ..ops import ls as do_ls
 
-    r = do_ls(root, storage_options(storage_option))
+    place = resolve_place(ctx, root, storage_option)
+    r = do_ls(place.url, place.storage_options)
     if json:
         emit_json(r.to_dict())
         return
@@ -35,7 +38,8 @@ def ls(
     rows = []
     for c in r.checkpoints:
         when = dt.datetime.fromtimestamp(c.modified).strftime("%Y-%m-%d %H:%M") if c.modified else "-"
-        rows.append([c.name, "-" if c.step is None else str(c.step), c.format or "-", c.state,
+        state = f"{c.state}, pinned" if c.pinned else c.state
+        rows.append([c.name, "-" if c.step is None else str(c.step), c.format or "-", state,
                      human_bytes(c.bytes), when])
     if not rows:
         print(f"no checkpoints under {r.root}")

@@ -11,7 +11,8 @@ from typing import NoReturn
 import typer
 
 from ..errors import EXIT_INTERRUPTED, EXIT_OPERATIONAL, EXIT_USAGE, CkptError, shorten
-from . import convert_cmd, inspect_cmd, ls_cmd, verify_cmd  # noqa: F401  (they register)
+from . import (convert_cmd, gc_cmd, inspect_cmd, ls_cmd, promote_cmd, tiers_cmd,  # noqa: F401
+               verify_cmd)  # they register their verbs on the app
 from .app import EXIT_STATUS, app  # noqa: F401  (EXIT_STATUS: re-exported for the docs)
 
 
@@ -40,14 +41,15 @@ def _quiet_library_logs() -> None:
         root.addHandler(logging.NullHandler())
 
 
-def _hoist_timeout(args: list[str]) -> list[str]:
-    """``--timeout S`` is global but accepted anywhere on the line, like ``--debug``."""
+def _hoist_timeout(args: list[str], flag: str = "--timeout") -> list[str]:
+    """``--timeout S`` (and ``--config FILE``) are global but accepted anywhere on the
+    line, like ``--debug``."""
     for i, a in enumerate(args):
         if a == "--":
             break
-        if a.startswith("--timeout="):
+        if a.startswith(flag + "="):
             return [a] + args[:i] + args[i + 1:]
-        if a == "--timeout" and i + 1 < len(args):
+        if a == flag and i + 1 < len(args):
             return [a, args[i + 1]] + args[:i] + args[i + 2:]
     return args
 
@@ -59,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     debug = "--debug" in args
     if debug:  # accepted anywhere on the line, not only before the command
         args = ["--debug"] + [a for a in args if a != "--debug"]
-    args = _hoist_timeout(args)
+    args = _hoist_timeout(_hoist_timeout(args), "--config")
     if not debug:
         _quiet_library_logs()
     previous = _sigterm_as_interrupt()

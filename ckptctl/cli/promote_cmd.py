@@ -13,6 +13,7 @@ from .progress import byte_progress
 
 @app.command()
 def promote(
+    ctx: typer.Context,
     src: str = typer.Argument(..., metavar="SRC", help="Checkpoint folder to copy (path, "
                               "s3://..., TIER:NAME)."),
     dst: str = typer.Argument(..., metavar="DST", help="Where it goes (path, s3://..., "
@@ -55,8 +56,8 @@ def promote(
     from ..ops.promote import promote as do_promote
     from ..ops.reshard import parse_size
 
-    s = resolve_place(src, storage_option, src_option, own_flag="--src-option")
-    d = resolve_place(dst, storage_option, dst_option, own_flag="--dst-option")
+    s = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
+    d = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")
     dst_url = d.url
     if d.tier is not None and dst.rstrip().endswith(":"):  # TIER: -> under it, by SRC's name
         dst_url = d.url.rstrip("/") + "/" + s.url.rstrip("/").rsplit("/", 1)[-1]

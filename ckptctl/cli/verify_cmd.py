@@ -8,7 +8,7 @@ import typer
 
 from ..errors import EXIT_FINDING
 from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, plural,
-                     print_table, say, storage_options)
+                     print_table, resolve_place, say)
 from .app import app
 from .progress import byte_progress
 
@@ -26,7 +26,9 @@ class HashAlgo(str, Enum):
 
 @app.command()
 def verify(
-    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder or file: path, file://, s3://..."),
+    ctx: typer.Context,
+    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder or file: path, file://, s3://..., "
+                              "TIER:NAME."),
     level: Level = typer.Option(Level.structure, "--level", "-l",
                                 help="How deep to check; each level includes the previous."),
     require: Optional[str] = typer.Option(None, "--require", metavar="PARTS",
@@ -55,12 +57,13 @@ def verify(
       ckptctl verify ckpt/step-20
       ckptctl verify --level full --require model,optim,step ckpt/ && deploy
       ckptctl verify -l full --check-finite --sample 0.1 s3://runs/step-12000
+      ckptctl verify --level full cold:step-12000
     """
     from ..ops import verify as do_verify
 
-    opts = storage_options(storage_option)
+    place = resolve_place(ctx, url, storage_option)
     with byte_progress("verify", enabled=level == Level.full and not (json or quiet)) as bar:
-        r = do_verify(url, opts, level=level.value, require=require, check_finite=check_finite,
+        r = do_verify(place.url, place.storage_options, level=level.value, require=require, check_finite=check_finite,
                       sample=sample, workers=workers, on_bytes=bar, on_total=bar and bar.total)
     if json:
         emit_json(r.to_dict())
@@ -117,7 +120,9 @@ CONTENT_WORDS = {
 
 @app.command()
 def seal(
-    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder: path, file://, s3://..."),
+    ctx: typer.Context,
+    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder: path, file://, s3://..., "
+                              "TIER:NAME."),
     hash: Optional[HashAlgo] = typer.Option(None, "--hash", help="Content hash of each file "
                                             "(default xxh3-128; --update keeps the "
                                             "manifest's)."),
@@ -149,8 +154,9 @@ def seal(
     """
     from ..ops import seal as do_seal
 
+    place = resolve_place(ctx, url, storage_option)
     with byte_progress("seal", enabled=not (json or quiet)) as bar:
-        r = do_seal(url, storage_options(storage_option), hash=hash and hash.value, step=step,
+        r = do_seal(place.url, place.storage_options, hash=hash and hash.value, step=step,
                     tags=tag or [], workers=workers, on_bytes=bar, on_total=bar and bar.total,
                     update=update)
     if json:

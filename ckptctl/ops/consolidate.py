@@ -190,7 +190,8 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     if on_total:  # the tensor bytes the plan writes (on_bytes also counts headers, objects)
         on_total(sum(DTYPES[conv_to].nbytes(math.prod(c.sizes))
                      if conv_to and c.dtype.kind == "float" else c.nbytes for c in plan.chunks))
-    opts = dst_storage_options or storage_options
+    # dst's own options ({} included: a local DST, or one set by the environment)
+    opts = storage_options if dst_storage_options is None else dst_storage_options
     if to == "dcp":
         done = copy_to_dcp(ck, plan, dst, max_memory=max_memory, workers=workers,
                            storage_options=opts, convert_dtype=conv_to, force=force,

@@ -12,11 +12,11 @@ import datetime as dt
 import posixpath
 import re
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
 
 from ..errors import CkptError, NotFoundError, StorageError, UnsupportedFormatError
 from ..formats.detect import detect_format, not_a_checkpoint, step_from_name
-from ..formats.manifest import MANIFEST, WRITING_MARKER
+from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest
 from ..formats.torchsave import is_torch_file
 from ..model import natural_key
 from ..storage import open_store
@@ -36,6 +36,21 @@ class CheckpointRow:
     bytes: int
     num_files: int
     modified: float | None
+    #: a ``.ckptctl-pinned`` file is in the folder (``ckptctl pin``); it is not counted
+    #: in ``bytes``/``num_files``: not part of the checkpoint
+    pinned: bool = False
+    # for gc, rm and latest; not in --json: (store, files, single) as formats.detect.locate
+    # returns them, cut from the root's listing, and the manifest (``ls(manifests=True)``)
+    located: tuple | None = field(default=None, repr=False, compare=False,
+                                  metadata={"json": False})
+    manifest: Manifest | None = field(default=None, repr=False, compare=False,
+                                      metadata={"json": False})
+
+    def to_dict(self) -> dict:
+        doc = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.metadata.get("json", True)}
+        doc["modified"] = iso_utc(doc["modified"])
+        return doc
 
 
 @dataclass
@@ -45,10 +60,7 @@ class LsResult:
 
     def to_dict(self) -> dict:
         """The ``--json`` document: times as ISO-8601 UTC strings."""
-        doc = asdict(self)
-        for c in doc["checkpoints"]:
-            c["modified"] = iso_utc(c["modified"])
-        return doc
+        return {"root": self.root, "checkpoints": [c.to_dict() for c in self.checkpoints]}
 
 
 def iso_utc(ts: float | None) -> str | None:
@@ -62,9 +74,13 @@ def iso_utc(ts: float | None) -> str | None:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _candidates(files: dict[str, int]) -> dict[str, dict[str, int]]:
+def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
     """Group a recursive listing into checkpoints: folders that hold a format's files,
-    and standalone torch.save files. Key: the checkpoint's path relative to the root."""
+    and standalone torch.save files. Key: the checkpoint's path relative to the root.
+
+    >>> sorted(group_checkpoints({"a/.metadata": 1, "a/__0_0.distcp": 5, "b.pt": 3}))
+    ['a', 'b.pt']
+    """
     by_dir: dict[str, dict[str, int]] = {}
     for rel, size in files.items():
         d, base = posixpath.split(rel)
@@ -111,17 +127,20 @@ def _lone_file(store, root: str, storage_options: dict | None) -> tuple:
     return parent, {name: parent.size(name)}
 
 
-def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> LsResult:
+def ls(root: str, storage_options: dict | None = None, *, workers: int = 8,
+       manifests: bool = False) -> LsResult:
     """List the checkpoints under ``root``, sorted by step, then name in natural order
     (:func:`~ckptctl.model.natural_key`). Files with a checkpoint's suffix that are no
-    checkpoint (TorchScript archives, ``.pth`` path files) are skipped, not called corrupt."""
+    checkpoint (TorchScript archives, ``.pth`` path files) are skipped, not called corrupt.
+    ``manifests``: also hand back each sealed checkpoint's manifest (``gc``: tags, ids,
+    pack bases), read from what classifying it fetched (no new request on S3)."""
     store = open_store(root, storage_options)
     files = store.list_files()
     shown_root, lone = store.url, False
     if not files:
         store, files = _lone_file(store, root, storage_options)
         lone = bool(files)
-    groups = _candidates(files)
+    groups = group_checkpoints(files)
     if lone and not groups:
         raise UnsupportedFormatError(root, "not a checkpoint")
     if lone and "" in groups:  # one safetensors file: listed as itself, not as its folder
@@ -131,8 +150,9 @@ def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> L
 
     def row(rel: str) -> CheckpointRow | None:
         url = store.display(rel) if rel else store.url
+        located = _located(store, rel, groups[rel])
         try:
-            rep = checkpoint_state(url, storage_options, located=_located(store, rel, groups[rel]))
+            rep = checkpoint_state(url, storage_options, located=located)
         except StorageError:
             raise  # the storage itself failed: not a finding about one checkpoint
         except CkptError as e:  # one bad checkpoint never hides the others
@@ -152,9 +172,20 @@ def ls(root: str, storage_options: dict | None = None, *, workers: int = 8) -> L
             mtime = store.modified(marker)
         except Exception:  # noqa: BLE001 - a missing mtime is not worth failing ls
             pass
+        manifest = None
+        if manifests and rep.state == "sealed":
+            try:
+                manifest = Manifest.read(located[0], located[1])
+            except StorageError:
+                raise
+            except CkptError:  # changed since it was classified: no tags, id or base
+                pass
+        own = located[1]
+        pinned = not located[2] and PIN_FILE in own
+        content = [v for k, v in own.items() if not (pinned and k == PIN_FILE)]
         return CheckpointRow(rel or posixpath.basename(root.rstrip("/")), url, step, fmt,
-                             rep.state, rep.reason, sum(groups[rel].values()),
-                             len(groups[rel]), mtime)
+                             rep.state, rep.reason, sum(content), len(content), mtime,
+                             pinned, located, manifest)
 
     with ThreadPoolExecutor(max(1, min(workers, len(groups)))) as pool:
         rows = [r for r in pool.map(row, sorted(groups)) if r is not None]

@@ -150,7 +150,8 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
         if on_total:
             on_total(sum(x["write_bytes"] for x in ranks))
         done = copy_to_dcp(ck, plan, dst, max_memory=max_memory, workers=workers,
-                           storage_options=dst_storage_options or storage_options,
+                           storage_options=storage_options if dst_storage_options is None
+                           else dst_storage_options,
                            force=force, command="reshard", source=src, on_bytes=on_bytes)
         result.manifest_id = done.manifest_id
         result.files = sorted(done.hashes)

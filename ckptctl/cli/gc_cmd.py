@@ -1,0 +1,239 @@
+"""``ckptctl gc ROOT``, ``latest ROOT``, ``rm URL``, ``pin URL``, ``unpin URL``: retention
+and run management."""
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from typing import List, Optional
+
+import typer
+
+from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, plural,
+                     print_table, resolve_place, say)
+from .app import app
+
+GRACE_HELP = ("An incomplete or corrupt checkpoint untouched for less than this is kept "
+              "(it may be being written), and so is an unfinished S3 multipart upload "
+              "started less long ago. Default: 24h.")
+
+
+def _duration(positive: bool):
+    """typer callback of a duration flag: one that does not parse (or is 0 where a positive
+    one is needed) is a usage error naming the flag."""
+    def check(value: str | None) -> str | None:
+        if value is not None:
+            from ..errors import UsageError
+            from ..ops.policy import parse_duration
+
+            try:
+                seconds = parse_duration(value)
+            except UsageError as e:
+                raise typer.BadParameter(e.message) from None
+            if positive and seconds <= 0:
+                raise typer.BadParameter(f"must be longer than 0, not {value!r}")
+        return value
+    return check
+
+
+def _policy(place, keep_last, keep_every, keep_within, keep_hourly, keep_daily, keep_tag):
+    """The policy from the --keep-* flags; with none, a tier's ``keep`` table (a tier
+    without one keeps everything: nothing to do, refused like an empty policy)."""
+    from ..errors import UsageError
+    from ..ops.policy import Policy, parse_duration
+
+    flags = dict(last=keep_last, every=keep_every, hourly=keep_hourly, daily=keep_daily,
+                 within=None if keep_within is None else parse_duration(keep_within),
+                 tags=tuple(keep_tag or ()))
+    policy = Policy(**flags)
+    if policy.is_empty and place.tier is not None and place.tier.keep:
+        return Policy.from_dict(place.tier.keep, where=f"tier {place.tier.name}")
+    if policy.is_empty:
+        tier = (f" (tier {place.tier.name} has no keep table: it keeps everything)"
+                if place.tier is not None else " (gc never removes everything)")
+        raise UsageError("empty policy: give at least one of --keep-last, --keep-every, "
+                         "--keep-within, --keep-hourly, --keep-daily, --keep-tag" + tier)
+    return policy
+
+
+@app.command()
+def gc(
+    root: str = typer.Argument(..., metavar="ROOT", help="Folder or prefix holding checkpoints, "
+                               "or a TIER: of ckptctl.toml."),
+    keep_last: Optional[int] = typer.Option(None, "--keep-last", min=1, metavar="N",
+                                            help="Keep the N newest committed checkpoints."),
+    keep_every: Optional[int] = typer.Option(None, "--keep-every", min=1, metavar="STEPS",
+                                             help="Keep one checkpoint per STEPS steps (the "
+                                                  "lowest step of each block: the multiples "
+                                                  "of STEPS where they exist)."),
+    keep_within: Optional[str] = typer.Option(None, "--keep-within", metavar="DUR",
+                                              callback=_duration(True),
+                                              help="Keep every checkpoint made within DUR "
+                                                   "(30d, 12h, 1d12h) of the newest one."),
+    keep_hourly: Optional[int] = typer.Option(None, "--keep-hourly", min=1, metavar="N",
+                                              help="Keep the newest checkpoint of each of "
+                                                   "the last N hours that have one (UTC)."),
+    keep_daily: Optional[int] = typer.Option(None, "--keep-daily", min=1, metavar="N",
+                                             help="Keep the newest checkpoint of each of the "
+                                                  "last N days that have one (UTC)."),
+    keep_tag: Optional[List[str]] = typer.Option(None, "--keep-tag", metavar="TAG",
+                                                 help="Keep every checkpoint sealed with TAG "
+                                                      "(seal --tag); repeatable."),
+    incomplete_grace: Optional[str] = typer.Option(None, "--incomplete-grace", metavar="DUR",
+                                                   callback=_duration(False),
+                                                   help=GRACE_HELP),
+    dry_run: bool = typer.Option(False, "--dry-run", "-n",
+                                 help="Print what a real run would remove and keep, and why; "
+                                      "delete nothing."),
+    json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    storage_option: Optional[List[str]] = StorageOpt,
+):
+    """Remove the checkpoints a retention policy does not keep, saying why each stays.
+
+    Rules add up: a checkpoint is kept when any --keep-* rule keeps it. Whatever they say,
+    gc never removes the newest committed (sealed or complete) checkpoint, a pinned one
+    (ckptctl pin), the base of a kept pack, or an incomplete one younger than
+    --incomplete-grace; a corrupt one goes only once a newer committed one exists.
+    Each removal deletes the commit markers (manifest, DCP .metadata,
+    HF index) first, so a crash mid-way leaves something incomplete, never something valid.
+    With a TIER: and no --keep-* flag, the tier's keep table is the policy.
+
+    \b
+    EXAMPLES
+      ckptctl gc /lustre/run1 --keep-last 3 --keep-every 5000 --dry-run
+      ckptctl gc s3://runs/llama --keep-within 30d --keep-tag release --json
+      ckptctl gc warm:                     # the keep table of tier "warm"
+    """
+    from ..ops.gc import gc as do_gc
+    from ..ops.policy import DEFAULT_GRACE, parse_duration
+
+    place = resolve_place(root, storage_option)
+    policy = _policy(place, keep_last, keep_every, keep_within, keep_hourly, keep_daily,
+                     keep_tag)
+    r = do_gc(place.url, policy, place.storage_options, dry_run=dry_run,
+              grace=parse_duration(incomplete_grace or DEFAULT_GRACE))
+    if json:
+        emit_json(r.to_dict())
+        return
+    if quiet:
+        return
+    if not r.checkpoints:
+        say(f"no checkpoints under {r.root}")
+    else:
+        rows = []
+        for c in r.checkpoints:
+            what = c.action if not (dry_run and c.action == "remove") else "would remove"
+            why = ", ".join(c.reasons) or (
+                "-" if c.state in ("sealed", "complete") else f"({c.state}, older than grace)")
+            rows.append([c.name, "-" if c.step is None else str(c.step), c.state, what, why])
+        print_table(["name", "step", "state", "action", "why kept"], rows, fold=(4,))
+    for u in r.uploads:
+        when = dt.datetime.fromtimestamp(u.initiated).strftime("%Y-%m-%d %H:%M") \
+            if u.initiated else "?"
+        verb = {"abort": "would abort" if dry_run else "aborted", "keep": "kept (young)"}
+        say(f"upload {u.url} ({u.upload_id[:16]}, started {when}): {verb[u.action]}")
+    done = "to remove" if dry_run else "removed"
+    say(f"{r.policy}: {plural(len(r.decision.keep), 'checkpoint')} kept, "
+        f"{len(r.removed)} {done} ({human_bytes(r.bytes_freed)})")
+
+
+@app.command()
+def latest(
+    root: str = typer.Argument(..., metavar="ROOT", help="Folder or prefix holding checkpoints, "
+                               "or a TIER: of ckptctl.toml."),
+    verified: bool = typer.Option(False, "--verified",
+                                  help="The newest that passes verify --level full (content "
+                                       "hashes or CRCs), walking back past any that fail."),
+    storage_option: Optional[List[str]] = StorageOpt,
+):
+    """Print the URL of the newest committed (sealed or complete) checkpoint, by step.
+
+    Prints the URL alone, for scripts; exit 1 (and a line on stderr) when there is none.
+
+    \b
+    EXAMPLES
+      torchrun train.py --resume "$(ckptctl latest /ckpt/run1)"
+      ckptctl latest --verified s3://runs/llama -o endpoint_url=http://minio:9000
+    """
+    from ..errors import Finding
+    from ..ops.latest import latest as do_latest
+
+    place = resolve_place(root, storage_option)
+    r = do_latest(place.url, place.storage_options, verified=verified)
+    if r.url is None:
+        why = ("none passed verify --level full: " + ", ".join(
+            f"{x['url']} ({x['code']})" for x in r.rejected)) if r.rejected else \
+            "no committed checkpoint"
+        raise Finding(r.root, why)
+    for x in r.rejected:  # stderr: $(ckptctl latest --verified ...) still gets the URL alone
+        print(f"ckptctl: skipped {x['url']}: {x['code']}: {x['message']}", file=sys.stderr)
+    print(r.url)
+
+
+@app.command()
+def rm(
+    url: str = typer.Argument(..., metavar="URL", help="One checkpoint: path, s3://..., "
+                              "TIER:NAME."),
+    force: bool = typer.Option(False, "--force", "-f", help="Remove it even if pinned."),
+    quiet: bool = QuietOpt,
+    storage_option: Optional[List[str]] = StorageOpt,
+):
+    """Delete one checkpoint safely: commit markers first, then data; refuses a pinned one.
+
+    \b
+    EXAMPLES
+      ckptctl rm /lustre/run1/step-1000
+      ckptctl rm s3://runs/llama/step-500 --force     # even though pinned
+    """
+    from ..ops.remove import remove
+
+    place = resolve_place(url, storage_option)
+    r = remove(place.url, place.storage_options, force=force)
+    say(f"removed {r.url} ({plural(r.num_files, 'file')}, {human_bytes(r.bytes)})"
+        + (" (was pinned)" if r.was_pinned else ""), quiet=quiet)
+
+
+@app.command()
+def pin(
+    url: str = typer.Argument(..., metavar="URL", help="One checkpoint folder: path, s3://..., "
+                              "TIER:NAME."),
+    reason: str = typer.Option("", "--reason", "-m", help="Why it must stay (shown by rm)."),
+    quiet: bool = QuietOpt,
+    storage_option: Optional[List[str]] = StorageOpt,
+):
+    """Pin a checkpoint: gc keeps it and rm refuses it until unpin.
+
+    The pin is a small file, .ckptctl-pinned, in the checkpoint's folder: it belongs to
+    that place (promote does not copy it) and is not part of the checkpoint's content.
+
+    \b
+    EXAMPLES
+      ckptctl pin /lustre/run1/step-12000 --reason "paper results"
+    """
+    from ..ops.pins import pin as do_pin
+
+    place = resolve_place(url, storage_option)
+    r = do_pin(place.url, reason, place.storage_options)
+    say(f"pinned {r.url}" + (f" ({r.reason})" if r.reason else "")
+        + ("" if r.changed else " (already pinned)"), quiet=quiet)
+
+
+@app.command()
+def unpin(
+    url: str = typer.Argument(..., metavar="URL", help="One checkpoint folder: path, s3://..., "
+                              "TIER:NAME."),
+    quiet: bool = QuietOpt,
+    storage_option: Optional[List[str]] = StorageOpt,
+):
+    """Remove a checkpoint's pin (not pinned: nothing to do, exit 0).
+
+    \b
+    EXAMPLES
+      ckptctl unpin /lustre/run1/step-12000
+    """
+    from ..ops.pins import unpin as do_unpin
+
+    place = resolve_place(url, storage_option)
+    r = do_unpin(place.url, place.storage_options)
+    say(f"unpinned {r.url}" if r.changed else f"{r.url} was not pinned", quiet=quiet)
+

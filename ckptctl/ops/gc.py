@@ -1,0 +1,198 @@
+"""``gc``: apply a retention policy to the checkpoints under a root.
+
+One listing of the root (:func:`~ckptctl.ops.ls.ls`, which also sees pins and reads
+manifests for tags, ids and pack bases), one pure decision
+(:func:`~ckptctl.ops.policy.apply_policy`; checkpoints in different folders are different
+series, so a root holding several runs keeps each run's newest and last N), then each
+checkpoint to remove is deleted
+marker first (:func:`~ckptctl.ops.remove.remove_checkpoint`), oldest first. Unfinished
+multipart uploads under the root older than the grace period are aborted (S3; ckptctl's
+own hidden ``.upload`` files locally). ``dry_run`` computes the very same plan and
+deletes nothing: a real run right after does exactly what it printed.
+
+>>> r = gc("/ckpt/run1", Policy(last=3), dry_run=True)         # doctest: +SKIP
+>>> r.decision.remove                                          # doctest: +SKIP
+['step-300', 'step-200', 'step-100']
+"""
+from __future__ import annotations
+
+import datetime as dt
+import posixpath
+import time
+from dataclasses import dataclass, field
+
+from ..errors import StorageError, UsageError
+from .ls import CheckpointRow, iso_utc, ls
+from .policy import (DEFAULT_GRACE, Decision, Item, Policy, apply_policy, newest_first,
+                     parse_duration)
+
+
+@dataclass
+class GcCheckpoint:
+    name: str
+    url: str
+    step: int | None
+    state: str
+    pinned: bool
+    action: str  # "keep" or "remove"
+    reasons: list[str]
+    bytes: int
+    time: float | None
+
+
+@dataclass
+class GcUpload:
+    url: str
+    upload_id: str
+    initiated: float | None
+    action: str  # "abort" (older than the grace period) or "keep"
+
+
+@dataclass
+class GcResult:
+    root: str
+    policy: str
+    dry_run: bool
+    grace: float
+    now: float
+    decision: Decision
+    checkpoints: list[GcCheckpoint] = field(default_factory=list)
+    uploads: list[GcUpload] = field(default_factory=list)
+    #: False where the store cannot list unfinished uploads (then none are reported)
+    uploads_checked: bool = False
+
+    @property
+    def removed(self) -> list[GcCheckpoint]:
+        return [c for c in self.checkpoints if c.action == "remove"]
+
+    @property
+    def bytes_freed(self) -> int:
+        return sum(c.bytes for c in self.removed)
+
+    def to_dict(self) -> dict:
+        return {
+            "root": self.root, "policy": self.policy, "dry_run": self.dry_run,
+            "grace_seconds": self.grace, "now": iso_utc(self.now),
+            "keep": {k: list(v) for k, v in self.decision.keep.items()},
+            "remove": list(self.decision.remove),
+            "bytes": self.bytes_freed,
+            "checkpoints": [{"name": c.name, "url": c.url, "step": c.step, "state": c.state,
+                             "pinned": c.pinned, "action": c.action, "reasons": c.reasons,
+                             "bytes": c.bytes, "created": iso_utc(c.time)}
+                            for c in self.checkpoints],
+            "uploads_checked": self.uploads_checked,
+            "uploads": [{"url": u.url, "upload_id": u.upload_id,
+                         "created": iso_utc(u.initiated), "action": u.action}
+                        for u in self.uploads],
+        }
+
+
+def _created(row: CheckpointRow) -> float | None:
+    """When the checkpoint was made: its manifest's ``created`` (kept by every copy),
+    else its commit marker's modification time from the listing."""
+    created = getattr(row.manifest, "created", None)
+    if created:
+        try:
+            t = dt.datetime.fromisoformat(str(created).replace("Z", "+00:00"))
+            return (t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)).timestamp()
+        except ValueError:
+            pass
+    return row.modified
+
+
+def _last_touched(row: CheckpointRow) -> float | None:
+    """The newest modification time of any of the checkpoint's files (a write in
+    progress touches some file; one stat or HEAD each: asked only of an uncommitted
+    checkpoint that the marker's time alone would call old)."""
+    store, files, single = row.located
+    times = [store.modified(rel) for rel in ([single] if single else files)]
+    times = [t for t in times if t is not None]
+    return max(times) if times else None
+
+
+def _items(rows: list[CheckpointRow], *, now: float, grace: float) -> list[Item]:
+    """The policy's view of an ``ls``: committed checkpoints are dated by creation; an
+    uncommitted one by the last time any of its files changed (looked up only when it
+    would otherwise be old enough to go)."""
+    items = []
+    for r in rows:
+        m = r.manifest
+        t = _created(r)
+        if r.state not in ("sealed", "complete") and not r.pinned and r.located \
+                and t is not None and now - t >= grace:
+            t = _last_touched(r)
+        items.append(Item(r.name, r.step, t, r.state, r.pinned,
+                          tuple(getattr(m, "tags", None) or ()),
+                          m.id if m is not None else None, getattr(m, "base", None),
+                          series=posixpath.dirname(r.name)))
+    return items
+
+
+def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
+       dry_run: bool = False, grace: float | str = DEFAULT_GRACE,
+       now: float | None = None) -> GcResult:
+    """Keep what ``policy`` and the rails keep under ``root``; remove the rest (``dry_run``:
+    only say so). Raises UsageError (exit 2) on an empty policy, before anything is read.
+
+    >>> import pathlib, tempfile, numpy as np
+    >>> from safetensors.numpy import save_file
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> for s in (100, 200, 300):
+    ...     (root / f"step-{s}").mkdir()
+    ...     save_file({"w": np.zeros(2)}, str(root / f"step-{s}" / "model.safetensors"))
+    >>> r = gc(str(root), Policy(last=2))
+    >>> r.decision.keep, r.decision.remove, sorted(p.name for p in root.iterdir())
+    ({'step-300': ['last 2', 'newest committed'], 'step-200': ['last 2']}, ['step-100'], ['step-200', 'step-300'])
+    """
+    if policy.is_empty:
+        raise UsageError("empty policy: give at least one --keep-* rule (gc never removes "
+                         "everything)")
+    grace = parse_duration(grace) if isinstance(grace, str) else float(grace)
+    now = time.time() if now is None else now
+    listing = ls(root, storage_options, manifests=True)
+    rows = {r.name: r for r in listing.checkpoints}
+    items = _items(listing.checkpoints, now=now, grace=grace)
+    decision = apply_policy(items, policy, now=now, grace=grace)
+    result = GcResult(listing.root, policy.describe(), dry_run, grace, now, decision)
+    for item in newest_first(items):
+        r = rows[item.name]
+        keep = item.name in decision.keep
+        result.checkpoints.append(GcCheckpoint(
+            r.name, r.url, r.step, r.state, r.pinned, "keep" if keep else "remove",
+            list(decision.keep.get(r.name, [])), r.bytes, item.time))
+    if not dry_run:
+        from .remove import remove_checkpoint
+
+        for name in reversed(decision.remove):  # oldest first
+            store, files, single = rows[name].located
+            remove_checkpoint(store, files, single=single)
+    _uploads(result, root, storage_options, now=now, grace=grace, dry_run=dry_run)
+    return result
+
+
+def _uploads(result: GcResult, root: str, storage_options: dict | None, *, now: float,
+             grace: float, dry_run: bool) -> None:
+    """Report (and unless ``dry_run``, abort) unfinished multipart uploads under ``root``
+    started longer than ``grace`` ago; younger ones may still be running."""
+    try:
+        from ..storage import multipart
+    except ImportError:  # storage without multipart support: nothing to look for
+        return
+    from ..storage import open_store
+
+    store = open_store(root, storage_options)
+    if not store.caps.multipart:
+        return
+    try:
+        uploads = multipart.list_uploads(store)
+    except StorageError as e:
+        if e.code in ("REMOTE_TIMEOUT", "REMOTE_UNREACHABLE"):
+            raise
+        return  # a server without ListMultipartUploads: nothing it can report
+    result.uploads_checked = True
+    for up in sorted(uploads, key=lambda u: (u.rel, u.upload_id)):
+        old = up.initiated is not None and now - up.initiated >= grace
+        result.uploads.append(GcUpload(store.display(up.rel), up.upload_id, up.initiated,
+                                       "abort" if old else "keep"))
+        if old and not dry_run:
+            multipart.abort_upload(store, up.rel, up.upload_id)

@@ -1,0 +1,79 @@
+"""``latest``: the newest committed checkpoint under a root, for resume scripts.
+
+Committed means ``sealed`` (a manifest, every file it lists there at its size) or
+``complete`` (the format's own commit marker, every data file present); newest means the
+highest step, then the newest commit time, then the name (natural order). With
+``verified``, candidates are checked newest first with ``verify --level full`` (content
+hashes, or every zip record's CRC) and the first that passes is the answer.
+
+>>> r = latest("/ckpt/run1")                                  # doctest: +SKIP
+>>> r.url                                                     # doctest: +SKIP
+'/ckpt/run1/step-12000'
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from .ls import CheckpointRow, ls
+from .policy import Item, newest_first
+
+
+@dataclass
+class LatestResult:
+    root: str
+    url: str | None  # None: no committed checkpoint (that passed verification)
+    name: str | None = None
+    step: int | None = None
+    state: str | None = None
+    #: with ``verified``: each candidate tried, newest first, and the first problem found
+    rejected: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def committed_newest_first(rows: list[CheckpointRow]) -> list[CheckpointRow]:
+    """The committed rows of an ``ls``, newest first (:func:`~ckptctl.ops.policy.newest_first`).
+
+    >>> rows = [CheckpointRow(n, n, s, "dcp", st, "", 1, 1, 0.0) for n, s, st in
+    ...         [("step-1", 1, "sealed"), ("step-3", 3, "incomplete"), ("step-2", 2, "complete")]]
+    >>> [r.name for r in committed_newest_first(rows)]
+    ['step-2', 'step-1']
+    """
+    by_name = {r.name: r for r in rows}
+    items = [Item(r.name, r.step, r.modified, r.state) for r in rows]
+    return [by_name[i.name] for i in newest_first(items) if i.committed]
+
+
+def latest(root: str, storage_options: dict | None = None, *,
+           verified: bool = False) -> LatestResult:
+    """The newest committed checkpoint under ``root`` (``url`` None when there is none).
+
+    >>> import pathlib, tempfile, numpy as np
+    >>> from safetensors.numpy import save_file
+    >>> root = pathlib.Path(tempfile.mkdtemp())
+    >>> for s in (100, 200):
+    ...     (root / f"step-{s}").mkdir()
+    ...     save_file({"w": np.zeros(2)}, str(root / f"step-{s}" / "model.safetensors"))
+    >>> _ = (root / "step-300").mkdir(), (root / "step-300" / ".ckptctl-writing").write_text("{}")
+    >>> latest(str(root)).name, latest(str(root), verified=True).name
+    ('step-200', 'step-200')
+    >>> latest(tempfile.mkdtemp()).url is None
+    True
+    """
+    listing = ls(root, storage_options)
+    rejected = []
+    for row in committed_newest_first(listing.checkpoints):
+        if verified:
+            from .verify import verify
+
+            r = verify(row.url, storage_options, level="full", located=row.located,
+                       uploads=False)
+            errors = [p for p in r.problems if p.severity == "error"]
+            if errors:
+                p = errors[0]
+                rejected.append({"url": row.url, "code": p.code, "message": p.message,
+                                 "path": p.path})
+                continue
+        return LatestResult(listing.root, row.url, row.name, row.step, row.state, rejected)
+    return LatestResult(listing.root, None, rejected=rejected)

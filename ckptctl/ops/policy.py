@@ -1,0 +1,318 @@
+"""Retention policy: which checkpoints ``gc`` keeps, and why (restic's ``forget`` is the model).
+
+:func:`apply_policy` is a pure function of the checkpoints (:class:`Item`), a
+:class:`Policy`, the time ``now`` and the grace period: no I/O, so ``gc --dry-run`` and a
+real run decide from the same call, and the tests can replay any history.
+
+Policy words (``--keep-*`` flags, or a tier's ``keep = {...}`` table):
+
+* ``last N``: the N newest committed checkpoints (by step, then time, then name);
+* ``every STEPS``: one checkpoint per STEPS steps, the lowest step of each block
+  ``[k*STEPS, (k+1)*STEPS)`` (so exactly the multiples of STEPS where they exist);
+* ``within DUR``: every checkpoint made within DUR of the newest committed one (not of
+  ``now``: a run that stalled for a month keeps its history, as restic does);
+* ``hourly N`` / ``daily N``: the newest checkpoint of each of the N most recent UTC hours
+  (days) that have one;
+* ``tags T...``: every checkpoint whose manifest carries one of the tags.
+
+They apply to committed checkpoints (state ``sealed`` or ``complete``); a checkpoint is
+kept when any word keeps it. Rails hold whatever the policy says: the newest committed
+checkpoint, a pinned one, the base of a kept pack (transitively), and an incomplete or
+corrupt one younger than the grace period (it may be being written) are never removed; a
+checkpoint whose state cannot be read here (``unknown``) is kept, and so is a corrupt one
+that no committed checkpoint supersedes (newer by step): what this version cannot read
+may be what a newer framework wrote, and a run whose every checkpoint reads as corrupt
+loses nothing. Words and rails rank checkpoints within their series (``Item.series``:
+``gc`` gives each folder of checkpoints its own), so every run under a root keeps its
+newest; pack bases are followed across series.
+
+>>> items = [Item(f"step-{s}", s, 1000.0 + s, "sealed") for s in (100, 200, 300, 400)]
+>>> d = apply_policy(items, Policy(last=2), now=2000.0)
+>>> d.keep, d.remove
+({'step-400': ['last 2', 'newest committed'], 'step-300': ['last 2']}, ['step-200', 'step-100'])
+"""
+from __future__ import annotations
+
+import datetime as dt
+import math
+import re
+from dataclasses import dataclass, field
+
+from ..errors import UsageError
+
+COMMITTED = ("sealed", "complete")
+#: Default of ``--incomplete-grace``: an incomplete or corrupt checkpoint untouched this
+#: long is taken as dead. No checkpoint write goes a day without touching a file, and an
+#: S3 multipart upload abandoned for a day is what lifecycle rules usually abort.
+DEFAULT_GRACE = "24h"
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_KEYS = ("last", "every", "within", "hourly", "daily", "tags")
+
+
+def parse_duration(text: str | int | float) -> float:
+    """Seconds in a duration: ``30d``, ``12h``, ``90m``, ``1d12h``, ``2w``, ``45s`` (``m``
+    is minutes), or a plain number of seconds. UsageError (exit 2) on anything else.
+
+    >>> parse_duration("30d"), parse_duration("1h30m"), parse_duration("90"), parse_duration(5)
+    (2592000.0, 5400.0, 90.0, 5.0)
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        value = float(text)
+    else:
+        s = str(text).strip().lower()
+        try:
+            value = float(s)
+        except ValueError:
+            parts = _DURATION.findall(s)
+            if not parts or "".join(n + u for n, u in parts) != s:
+                raise UsageError(f"not a duration: {text!r} (try 30d, 12h, 90m, 1d12h, 45s)") \
+                    from None
+            value = sum(float(n) * _UNITS[u] for n, u in parts)
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"not a duration: {text!r} (must be a finite, non-negative time)")
+    return value
+
+
+def format_duration(seconds: float) -> str:
+    """The shortest ``1d12h``-style spelling of ``seconds`` (fractions of a second dropped).
+
+    >>> format_duration(2592000), format_duration(5400), format_duration(0), format_duration(90061)
+    ('30d', '1h30m', '0s', '1d1h1m1s')
+    """
+    left, out = int(seconds), []
+    for unit in ("d", "h", "m", "s"):
+        n, left = divmod(left, _UNITS[unit])
+        if n:
+            out.append(f"{n}{unit}")
+    return "".join(out) or "0s"
+
+
+@dataclass(frozen=True)
+class Policy:
+    """What to keep; every field None (or no tags) is the empty policy, which ``gc`` refuses.
+
+    >>> Policy(last=3, every=5000).describe()
+    'keep the last 3, one every 5000 steps'
+    >>> Policy().is_empty
+    True
+    """
+
+    last: int | None = None
+    every: int | None = None
+    within: float | None = None
+    hourly: int | None = None
+    daily: int | None = None
+    tags: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        for key in ("last", "every", "hourly", "daily"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise UsageError(f"keep {key} must be a positive whole number, not {v!r}")
+        if self.within is not None and (not math.isfinite(self.within) or self.within <= 0):
+            raise UsageError(f"keep within must be a positive duration, not {self.within!r}")
+        if any(not isinstance(t, str) or not t for t in self.tags):
+            raise UsageError(f"keep tags must be non-empty strings, not {list(self.tags)!r}")
+
+    @property
+    def is_empty(self) -> bool:
+        return all(getattr(self, k) is None for k in _KEYS[:-1]) and not self.tags
+
+    @classmethod
+    def from_dict(cls, table: dict, where: str | None = None) -> "Policy":
+        """A tier config's ``keep = {last = 10, every = 5000, within = "30d", hourly = 24,
+        daily = 7, tags = ["release"]}``; UsageError (exit 2) naming the key on bad input.
+
+        >>> Policy.from_dict({"last": 2, "within": "7d", "tags": "release"})
+        Policy(last=2, every=None, within=604800.0, hourly=None, daily=None, tags=('release',))
+        >>> Policy.from_dict({"lats": 2}, "ckptctl.toml")
+        Traceback (most recent call last):
+        ckptctl.errors.UsageError: ckptctl.toml: keep: unknown key 'lats' (known: last, every, within, hourly, daily, tags)
+        """
+        if not isinstance(table, dict):
+            raise UsageError(f"keep must be a table like {{last = 3}}, not {table!r}", where)
+        for key in table:
+            if key not in _KEYS:
+                raise UsageError(f"keep: unknown key {key!r} (known: {', '.join(_KEYS)})", where)
+        try:
+            tags = table.get("tags", ())
+            tags = (tags,) if isinstance(tags, str) else tags
+            if not isinstance(tags, (list, tuple)):
+                raise UsageError(f"keep tags must be a list of strings, not {tags!r}")
+            within = table.get("within")
+            return cls(last=table.get("last"), every=table.get("every"),
+                       within=None if within is None else parse_duration(within),
+                       hourly=table.get("hourly"), daily=table.get("daily"),
+                       tags=tuple(tags))
+        except UsageError as e:
+            raise UsageError(e.message if e.message.startswith("keep") else
+                             f"keep: {e.message}", where) from None
+
+    def describe(self) -> str:
+        """The policy in words, for a report's header."""
+        words = []
+        if self.last:
+            words.append(f"the last {self.last}")
+        if self.every:
+            words.append(f"one every {self.every} steps")
+        if self.within:
+            words.append(f"all within {format_duration(self.within)} of the newest")
+        if self.hourly:
+            words.append(f"{self.hourly} hourly")
+        if self.daily:
+            words.append(f"{self.daily} daily")
+        if self.tags:
+            words.append("tags " + ", ".join(self.tags))
+        return "keep " + ", ".join(words) if words else "keep nothing (empty policy)"
+
+
+@dataclass(frozen=True)
+class Item:
+    """One checkpoint as the policy sees it. ``time``: seconds since the epoch (the
+    manifest's creation time, else the commit marker's mtime); ``id``/``base``: the
+    manifest's content id and, for a pack, the id of the checkpoint it is a delta of."""
+
+    name: str
+    step: int | None
+    time: float | None
+    state: str
+    pinned: bool = False
+    tags: tuple[str, ...] = ()
+    id: str | None = None
+    base: str | None = None
+    #: checkpoints of one series (``gc``: the folder holding them, one run) are ranked
+    #: against each other only: every run under a root keeps its own newest, its own last N
+    series: str = ""
+
+    @property
+    def committed(self) -> bool:
+        return self.state in COMMITTED
+
+
+@dataclass
+class Decision:
+    """``keep``: name -> reasons, newest first; ``remove``: names, newest first."""
+
+    keep: dict[str, list[str]] = field(default_factory=dict)
+    remove: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"keep": {k: list(v) for k, v in self.keep.items()}, "remove": list(self.remove)}
+
+
+def newest_first(items) -> list[Item]:
+    """Items ordered newest first: by step (step-less ones last), then time, then name.
+
+    >>> [i.name for i in newest_first([Item("a", 5, 1, "sealed"), Item("b", None, 9, "sealed"),
+    ...                               Item("c", 7, 0, "sealed")])]
+    ['c', 'a', 'b']
+    """
+    from ..model import natural_key
+
+    def key(i: Item):
+        return (i.step is not None, i.step or 0, i.time or 0.0, natural_key(i.name))
+
+    return sorted(items, key=key, reverse=True)
+
+
+def _bucket(ts: float, hourly: bool) -> str:
+    t = dt.datetime.fromtimestamp(ts, dt.timezone.utc)
+    return t.strftime("%Y-%m-%dT%H" if hourly else "%Y-%m-%d")
+
+
+def _series_reasons(ordered: list[Item], policy: Policy, now: float, grace: float,
+                    reasons: dict[str, list[str]]) -> None:
+    """Add the policy's and the rails' reasons for one series (newest first) to ``reasons``."""
+    committed = [i for i in ordered if i.committed]
+
+    for i in committed:  # tags are not counted, as in restic
+        reasons[i.name] += [f"tag {t}" for t in policy.tags if t in i.tags]
+    if policy.last:
+        for i in committed[:policy.last]:
+            reasons[i.name].append(f"last {policy.last}")
+    if policy.every:
+        lowest: dict[int, Item] = {}
+        for i in committed:  # newest first: the last one seen per block has its lowest step
+            if i.step is not None:
+                lowest[i.step // policy.every] = i
+        for i in lowest.values():
+            reasons[i.name].append(f"every {policy.every} steps")
+    timed = sorted((i for i in committed if i.time is not None),
+                   key=lambda i: (i.time, i.step or 0, i.name), reverse=True)
+    if policy.within and timed:
+        newest = min(timed[0].time, now)  # a clock in the future does not widen the window
+        for i in timed:
+            if i.time >= newest - policy.within:
+                reasons[i.name].append(f"within {format_duration(policy.within)}")
+    for count, hourly in ((policy.hourly, True), (policy.daily, False)):
+        if not count:
+            continue
+        seen: set[str] = set()
+        for i in timed:
+            b = _bucket(i.time, hourly)
+            if b not in seen and len(seen) < count:
+                seen.add(b)
+                reasons[i.name].append("hourly checkpoint" if hourly else "daily checkpoint")
+
+    # rails: whatever the policy says
+    if committed:
+        reasons[committed[0].name].append("newest committed")
+    superseded = set(i.name for i in ordered[ordered.index(committed[0]) + 1:]) \
+        if committed else set()
+    for i in ordered:
+        if i.pinned:
+            reasons[i.name].append("pinned")
+        if i.state == "unknown":
+            reasons[i.name].append("state unknown")
+        elif not i.committed and not i.pinned and (i.time is None or now - i.time < grace):
+            reasons[i.name].append(f"{i.state}, younger than grace")
+        elif i.state == "corrupt" and not i.pinned and i.name not in superseded:
+            # what this ckptctl cannot read may be what a newer framework wrote: only a
+            # newer committed checkpoint makes a corrupt one garbage
+            reasons[i.name].append("corrupt, newer than the newest committed")
+
+
+def apply_policy(items, policy: Policy, *, now: float, grace: float = 86400.0) -> Decision:
+    """Decide, for every item, keep (with its reasons) or remove. Pure: same inputs, same
+    decision. Every item lands in exactly one of ``keep`` and ``remove``.
+
+    >>> h = [Item("step-5000", 5000, 10.0, "sealed"), Item("step-6000", 6000, 20.0, "sealed"),
+    ...      Item("step-7000", 7000, 30.0, "incomplete"), Item("step-100", 100, 5.0, "sealed", pinned=True)]
+    >>> d = apply_policy(h, Policy(every=5000), now=40.0, grace=3600)
+    >>> d.keep
+    {'step-7000': ['incomplete, younger than grace'], 'step-6000': ['newest committed'], 'step-5000': ['every 5000 steps'], 'step-100': ['every 5000 steps', 'pinned']}
+    >>> d.remove
+    []
+    """
+    if policy.is_empty:
+        raise UsageError("empty policy: give at least one --keep-* rule (gc never removes "
+                         "everything)")
+    ordered = newest_first(items)
+    names = [i.name for i in ordered]
+    if len(set(names)) != len(names):
+        raise UsageError("two checkpoints have the same name: "
+                         + next(n for n in names if names.count(n) > 1))
+    reasons: dict[str, list[str]] = {i.name: [] for i in ordered}
+    series: dict[str, list[Item]] = {}
+    for i in ordered:
+        series.setdefault(i.series, []).append(i)
+    for members in series.values():
+        _series_reasons(members, policy, now, grace, reasons)
+    committed = [i for i in ordered if i.committed]
+    by_id: dict[str, list[Item]] = {}
+    for i in committed:
+        if i.id:
+            by_id.setdefault(i.id, []).append(i)
+    todo = [i for i in ordered if reasons[i.name] and i.base]
+    while todo:  # a kept pack keeps its base, and so on down the chain
+        i = todo.pop()
+        for b in by_id.get(i.base, []):
+            why = f"base of kept {i.name}"
+            if why not in reasons[b.name]:
+                if not reasons[b.name] and b.base:
+                    todo.append(b)
+                reasons[b.name].append(why)
+    return Decision({n: r for n, r in reasons.items() if r},
+                    [n for n, r in reasons.items() if not r])

@@ -1,0 +1,169 @@
+"""Delete one checkpoint so that a crash at any moment leaves something ``incomplete``,
+never something that looks valid (DESIGN.md, "Integrity and commit").
+
+Order: the ``.ckptctl-writing`` marker is written first (from then on ``ls``, ``verify``
+and ``latest`` call the folder incomplete whatever it still holds: a half-deleted HF
+shard set or composite folder has no marker of its own to lose), then the commit markers
+go (the manifest, then DCP ``.metadata`` / ``model.safetensors.index.json``), then the
+data (:meth:`~ckptctl.storage.Store.remove_many`: ordered, batched on S3), the pin and
+the writing marker last. Local folders left empty are removed.
+
+>>> from ckptctl.storage import open_store
+>>> r = remove_checkpoint(open_store("runs/step-100"))        # doctest: +SKIP
+>>> r.num_files, r.bytes                                      # doctest: +SKIP
+(5, 81920)
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+from ..errors import CkptError, Finding, UsageError
+from ..formats.dcp import METADATA
+from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER
+from ..storage import Store
+
+#: Files whose presence makes a folder look committed, most authoritative first.
+COMMIT_MARKERS = (MANIFEST, METADATA, "model.safetensors.index.json")
+
+
+@dataclass
+class RemoveResult:
+    url: str
+    num_files: int
+    bytes: int
+    was_pinned: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def deletion_order(files: dict[str, int]) -> list[str]:
+    """The files of a checkpoint in the order they are deleted: commit markers first
+    (top level, then nested ones), data next, the pin last.
+
+    >>> deletion_order({"__0_0.distcp": 9, ".metadata": 1, "ckptctl.manifest.json": 1,
+    ...                 ".ckptctl-pinned": 1})
+    ['ckptctl.manifest.json', '.metadata', '__0_0.distcp', '.ckptctl-pinned']
+    """
+    def rank(rel: str):
+        base = rel.rsplit("/", 1)[-1]
+        if base in COMMIT_MARKERS:
+            return (0, rel.count("/"), COMMIT_MARKERS.index(base), rel)
+        if rel == PIN_FILE:
+            return (2, 0, 0, rel)
+        return (1, 0, 0, rel)
+
+    return sorted((rel for rel in files if rel != WRITING_MARKER), key=rank)
+
+
+def _pin_reason(store: Store) -> str:
+    """What a pin says about itself, for a refusal message (one small read)."""
+    try:
+        doc = json.loads(store.read(PIN_FILE))
+        who, why = doc.get("by") or "?", doc.get("reason") or ""
+        return f"pinned by {who}" + (f": {why}" if why else "")
+    except (CkptError, ValueError, AttributeError):
+        return "pinned"
+
+
+def remove_checkpoint(store: Store, files: dict[str, int] | None = None, *,
+                      single: str | None = None, force_pinned: bool = False) -> RemoveResult:
+    """Delete the checkpoint rooted at ``store`` (``files``: its listing when the caller
+    has one, else it is listed; ``single``: the one file of a lone-file checkpoint, which
+    goes in one delete). A pinned checkpoint is refused (exit 1) unless ``force_pinned``.
+
+    >>> import tempfile, pathlib
+    >>> from ckptctl.storage import open_store
+    >>> d = pathlib.Path(tempfile.mkdtemp()) / "step-1"; d.mkdir()
+    >>> _ = (d / ".metadata").write_bytes(b"m"); _ = (d / "__0_0.distcp").write_bytes(b"data")
+    >>> r = remove_checkpoint(open_store(str(d)))
+    >>> (r.num_files, r.bytes, d.exists())
+    (2, 5, False)
+    """
+    if single is not None:
+        size = (files or {}).get(single)
+        size = store.size(single) if size is None else size
+        store.remove(single)
+        return RemoveResult(store.display(single), 1, size)
+    if files is None:
+        files = store.list_files()
+    if not files:
+        raise UsageError(f"{store.url}: nothing to remove (no files here)")
+    pinned = PIN_FILE in files
+    if pinned and not force_pinned:
+        raise Finding(store.url, f"{_pin_reason(store)}; unpin it first (ckptctl unpin), "
+                      "or pass --force")
+    doc = {"pid": os.getpid(), "host": socket.gethostname(),
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": "rm"}
+    store.write_atomic(WRITING_MARKER, (json.dumps(doc) + "\n").encode())
+    order = deletion_order(files)
+    markers = [rel for rel in order if rel.rsplit("/", 1)[-1] in COMMIT_MARKERS]
+    for rel in markers:  # one call each: gone (and durable) before the next, and the data
+        _remove_many(store, [rel])
+    _remove_many(store, order[len(markers):])
+    store.remove(WRITING_MARKER)
+    if store.is_local:
+        _remove_empty_folders(store, files)
+    content = {k: v for k, v in files.items() if k not in (PIN_FILE, WRITING_MARKER)}
+    return RemoveResult(store.url, len(content), sum(content.values()), pinned)
+
+
+def _remove_many(store: Store, rels: list[str]) -> None:
+    """Ordered deletes: :meth:`Store.remove_many` (S3: batches of up to 1,000 keys), or
+    one by one on a store without it."""
+    if not rels:
+        return
+    many = getattr(store, "remove_many", None)
+    if many is not None:
+        many(rels)
+        return
+    for rel in rels:
+        store.remove(rel)
+
+
+def _remove_empty_folders(store: Store, files: dict[str, int]) -> None:
+    """rmdir the sub-folders the checkpoint had, deepest first, then its own folder,
+    each only if empty (something else put there stays, with its folder)."""
+    root = store.full()
+    subs = sorted({rel.rsplit("/", 1)[0] for rel in files if "/" in rel},
+                  key=lambda d: -d.count("/"))
+    for d in subs:
+        parts = d.split("/")
+        while parts:
+            try:
+                os.rmdir(os.path.join(root, *parts))
+            except OSError:
+                break
+            parts.pop()
+    try:
+        os.rmdir(root)
+    except OSError:
+        pass
+
+
+def remove(url: str, storage_options: dict | None = None, *, force: bool = False) -> RemoveResult:
+    """``ckptctl rm URL``: delete the one checkpoint at ``url`` (a folder ``ls`` would list,
+    or a lone checkpoint file) with :func:`remove_checkpoint`; anything else, such as a
+    run's root, is refused (exit 2) before anything is deleted.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "step-1").mkdir()
+    >>> _ = (d / "step-1" / ".metadata").write_bytes(b"m")
+    >>> remove(str(d))                                          # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: ... not a checkpoint folder (rm removes one checkpoint; ...)
+    >>> remove(str(d / "step-1")).num_files, (d / "step-1").exists()
+    (1, False)
+    """
+    from ..formats.detect import locate
+    from .ls import group_checkpoints
+
+    store, files, single = locate(url, storage_options)
+    if single is None and "" not in group_checkpoints(files):
+        raise UsageError(f"{store.url}: not a checkpoint folder (rm removes one checkpoint; "
+                         "`ckptctl ls` shows them, `ckptctl gc` removes many)")
+    return remove_checkpoint(store, files, single=single, force_pinned=force)
