@@ -172,3 +172,34 @@ def test_resume_skips_finished_files_and_parts(tmp_path, s3_bucket):
     assert r.parts_resumed >= 1 and r.parts_sent == 3 - r.parts_resumed, r
     assert ops_of(s3_bucket.server)["UploadPart"] == r.parts_sent
     assert verify(url, opts, level="full").ok
+
+
+def test_delete_source_after_commit_and_pins_are_respected(tmp_path):
+    src, dst = tmp_path / "hot" / "step-7", tmp_path / "warm" / "step-7"
+    big_dcp(src)
+    want = tree(src)
+    code, out, err = run_cli("pin", str(src))
+    assert code == 0, err
+    code, out, err = run_cli("promote", str(src), str(dst), "--delete-source")
+    assert code == 1 and "pinned" in err and not dst.exists(), err
+    run_cli("unpin", str(src))
+    code, out, err = run_cli("promote", str(src), str(dst), "--delete-source", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["deleted_source"] and not src.exists()
+    got = tree(dst)
+    assert {k: v for k, v in got.items() if k != MANIFEST} == \
+        {k: v for k, v in want.items() if k not in (MANIFEST, ".ckptctl-pinned")}
+
+
+def test_tier_names_stand_for_urls(tmp_path, monkeypatch):
+    hot, warm = tmp_path / "hot", tmp_path / "warm"
+    big_dcp(hot / "step-7")
+    (tmp_path / "ckptctl.toml").write_text(
+        f'[[tier]]\nname = "hot"\nurl = "{hot}"\n\n'
+        f'[[tier]]\nname = "warm"\nurl = "{warm}"\nbwlimit = "1GiB/s"\n')
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_cli("promote", "hot:step-7", "warm:", "--json")
+    assert code == 0, err
+    assert json.loads(out)["dst"] == str(warm / "step-7")
+    assert tree(warm / "step-7") == tree(hot / "step-7")

@@ -165,7 +165,7 @@ SCHEMA = 1
 
 #: Names a writer uses while a file is not yet committed; never part of a checkpoint.
 TEMP_PATTERNS = ("*.tmp", "*.tmp-*", ".*.tmp", "*.partial", "*.part", "*.incomplete",
-                 ".metadata.tmp", "*.lock")
+                 ".metadata.tmp", "*.lock", ".*.upload", ".*.parts")
 
 
 def is_temp_name(rel: str) -> bool:

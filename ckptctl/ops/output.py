@@ -35,6 +35,7 @@ from ..errors import CkptError, StorageError, UsageError
 from ..formats.dcp import METADATA
 from ..formats.manifest import MANIFEST, WRITING_MARKER
 from ..storage import Store
+from ..storage.store import sync_dir
 
 #: Files whose presence makes a folder look committed: removed first by ``--force``.
 _COMMIT_FILES = (MANIFEST, METADATA, "model.safetensors.index.json")
@@ -45,16 +46,11 @@ class Cancelled(Exception):
 
 
 def _sync_dir(path: str) -> None:
+    """:func:`~ckptctl.storage.store.sync_dir`, for a folder that may be gone already."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on a directory; nothing more to do
+        sync_dir(path)
+    except FileNotFoundError:
         pass
-    finally:
-        os.close(fd)
 
 
 class _OutFile:

@@ -11,8 +11,9 @@ resumable, and committed last.
    written last. POSIX: everything lands in a hidden sibling folder
    ``.NAME.ckptctl-promote`` that is renamed into place at the end. S3: a
    ``.ckptctl-writing`` marker goes first (so ``ls``/``verify``/``latest`` call the prefix
-   incomplete), the data at the final keys, the marker is removed and the manifest is the
-   last object, written exclusively where the server honours it.
+   incomplete), the data at the final keys, then the manifest (exclusive where the server
+   honours it), and the marker's removal is the last write (POSIX: after the rename). A
+   kill before it leaves something incomplete; a rerun finishes it.
 4. A rerun after a crash skips files that are already complete and resumes unfinished
    multipart uploads part by part from a journal (beside a local destination, in
    ``~/.cache/ckptctl/promote`` for a remote one). ``dry_run`` says what a rerun would
@@ -37,11 +38,11 @@ from typing import Callable
 
 from ..errors import CkptError, Finding, UsageError
 from ..formats.detect import locate
-from ..formats.manifest import MANIFEST, WRITING_MARKER, Manifest, is_control_file
+from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest, is_control_file
 from ..storage import open_store
 from ..storage.journal import Journal, journal_path_for
 from ..storage.ratelimit import RateLimiter, parse_rate
-from ..storage.store import Store
+from ..storage.store import Store, sync_dir
 from ..storage.transfer import DEFAULT_PART_SIZE, Transfer
 from .commit import commit
 
@@ -188,12 +189,31 @@ class _Destination:
 
     def commit(self, raw: bytes, journal: Journal) -> None:
         journal.remove()
-        self.work.remove(WRITING_MARKER)
-        if not self.local:
-            commit(self.final, self.man, data=raw)
-            return
+        if self.local:  # what killed runs left in the work folder (temp files, unfinished
+            # uploads) must not be published with it
+            self.work.remove_many([r for r in self.work.list_files()
+                                   if r not in self.man.files and r != WRITING_MARKER])
+        elif self.work.caps.multipart:  # uploads a killed run began before its journal
+            from ..storage import multipart  # knew them: billable, and verify warns
+
+            for up in multipart.list_uploads(self.work):
+                multipart.abort_upload(self.work, up.rel, up.upload_id)
+        # the marker goes last: a kill before leaves nothing that looks committed and
+        # names this source (a rerun adopts the data); after the manifest, a rerun
+        # finds it committed and removes the marker
         commit(self.work, self.man, data=raw)
-        self._publish()
+        if self.local:
+            self._publish()
+        else:
+            self.final.remove(WRITING_MARKER)
+
+    def ours(self) -> bool:
+        """Does the work place's marker name this promote of this source?"""
+        try:
+            doc = json.loads(self.work.read(WRITING_MARKER))
+        except (ValueError, CkptError):
+            return False
+        return doc.get("command") == "promote" and doc.get("source") == self.src_id
 
     def discard_work(self) -> None:
         import shutil
@@ -207,9 +227,8 @@ class _Destination:
         if os.path.isdir(final) and not os.listdir(final):
             os.rmdir(final)
         os.rename(self.work.root, final)
-        from .output import _sync_dir
-
-        _sync_dir(os.path.dirname(final) or ".")
+        sync_dir(os.path.dirname(final) or ".")
+        self.final.remove(WRITING_MARKER)
 
 
 def promote(src: str, dst: str, src_options: dict | None = None,
@@ -236,6 +255,9 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     limiter = limiter or RateLimiter(parse_rate(bwlimit))
     sstore, sfiles, man, raw, sealed = _source(src, src_options, dry_run=dry_run,
                                                workers=workers)
+    if delete_source and PIN_FILE in sfiles:  # said before a byte moves, not after
+        raise Finding(sstore.url, "source is pinned; `ckptctl unpin` it or drop "
+                      "--delete-source", code="FINDING")
     if man is None:  # dry run of an unsealed source: what sealing would list
         from ..formats.manifest import is_temp_name
 
@@ -252,6 +274,8 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     state, present = d.state()
     if state == "committed":
         result.action = "up-to-date"
+        if WRITING_MARKER in present and not dry_run:  # killed after the commit: finish it
+            d.final.remove(WRITING_MARKER)
         if delete_source and not dry_run:
             result.deleted_source = _delete_source(sstore, sfiles)
         result.seconds = round(time.monotonic() - t0, 3)
@@ -261,7 +285,7 @@ def promote(src: str, dst: str, src_options: dict | None = None,
         d._publish()
         return _finish(result, sstore, sfiles, d, delete_source, t0)
     journal = Journal(None if dry_run else d.journal_path(), {"source": man.id})
-    if state == "resume" and not d.local:
+    if state == "resume" and (not d.local or d.ours()):
         _adopt_published(journal, present, man)
     elif state == "resume" and not journal.resumed and not dry_run:
         d.discard_work()  # another source's leftovers: nothing there can be trusted
@@ -307,9 +331,22 @@ def _finish(result: PromoteResult, sstore: Store, sfiles: dict[str, int], d: "_D
             delete_source: bool, t0: float) -> PromoteResult:
     if delete_source:
         result.deleted_source = _delete_source(sstore, sfiles)
-    result.requests = {"source": asdict(sstore.stats), "destination": asdict(d.work.stats)}
+    result.requests = {"source": _requests(sstore), "destination": _requests(d.work)}
     result.seconds = round(time.monotonic() - t0, 3)
     return result
+
+
+def _requests(store: Store) -> dict:
+    """What a store was asked, as the JSON documents name it (``read_bytes`` and
+    ``write_bytes`` as in ``reshard``'s ranks).
+
+    >>> _requests(open_store("."))["reads"]
+    0
+    """
+    st = store.stats
+    return {"reads": st.reads, "read_bytes": st.bytes_read, "lists": st.lists,
+            "writes": st.writes, "write_bytes": st.bytes_written, "deletes": st.deletes,
+            "other": st.requests}
 
 
 def _run(t: Transfer, names: list[str], man: Manifest, workers: int):
@@ -335,10 +372,11 @@ def _run(t: Transfer, names: list[str], man: Manifest, workers: int):
 
 
 def _adopt_published(journal: Journal, present: dict[str, int], man: Manifest) -> None:
-    """A remote destination's objects exist only once their upload completed, and an
-    upload completes only after its bytes matched the manifest: an object at its manifest
-    size under a marker naming this source is done, even when the journal is lost (a rerun
-    on another host)."""
+    """A destination's files (remote objects, files in the local work folder) exist under
+    their own name only once their upload or rename completed, and that happens only after
+    their bytes matched the manifest: a file at its manifest size under a marker naming
+    this source is done, even when the journal is lost or lags (a rerun on another host, a
+    kill between the publish and the journal line)."""
     for rel, rec in man.files.items():
         if present.get(rel) == rec.size and rel not in journal.files:
             journal.file_done(rel, rec.hash, rec.size)

@@ -183,17 +183,17 @@ class _Checker:
                 self.add("PATH_ESCAPE", e.message, path=store.display(rel))
 
     def _orphaned_uploads(self, store):
-        if store.protocol not in ("s3", "s3a"):
+        if not store.is_s3:
             return
-        bucket, _, prefix = store.root.partition("/")
+        from ..storage.multipart import list_uploads
+
         try:
-            resp = store.fs.call_s3("list_multipart_uploads", Bucket=bucket,
-                                    Prefix=prefix.rstrip("/") + "/")
-        except Exception:  # noqa: BLE001 - servers without the call: nothing to report
+            uploads = list_uploads(store)
+        except CkptError:  # servers without the call: nothing to report
             return
-        for up in resp.get("Uploads", []) or []:
-            self.add("ORPHANED_UPLOAD", f"unfinished multipart upload {up.get('UploadId', '')[:16]}",
-                     path=f"s3://{bucket}/{up.get('Key')}", severity="warning")
+        for up in uploads:
+            self.add("ORPHANED_UPLOAD", f"unfinished multipart upload {up.upload_id[:16]}",
+                     path=store.display(up.rel), severity="warning")
 
     def _extents_inside_files(self):
         ck = self.ck
