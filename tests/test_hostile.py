@@ -228,3 +228,21 @@ def test_not_found_error_class(tmp_path):
 
     with pytest.raises(NotFoundError):
         open_checkpoint(str(tmp_path / "missing"))
+
+
+def test_torch_file_with_malformed_pickle_is_one_line_and_ls_goes_on(tmp_path, cli):
+    """torch's weights-only unpickler raises IndexError on a STOP with an empty stack:
+    one line for that file, and ``ls`` still lists its neighbours."""
+    import zipfile
+
+    import torch
+
+    torch.save({"a": torch.ones(2)}, tmp_path / "good.pt")
+    with zipfile.ZipFile(tmp_path / "good.pt") as z, \
+            zipfile.ZipFile(tmp_path / "bad.pt", "w") as out:
+        for n in z.namelist():
+            out.writestr(n, b"\x80\x02." if n.endswith("data.pkl") else z.read(n))
+    code, out, err = cli("inspect", str(tmp_path / "bad.pt"))
+    assert code == 3 and err.count("\n") == 1 and "malformed pickle" in err, err
+    code, out, err = cli("ls", str(tmp_path))
+    assert code == 0 and "corrupt" in out and "complete" in out, (out, err)

@@ -80,6 +80,17 @@ class Manifest:
         return manifest_id(self.to_dict())
 
     @property
+    def checkpoint_id(self) -> str:
+        """The id of the checkpoint this folder restores: a pack's manifest names it as
+        ``packs`` (its own :attr:`id` is the pack's files'); anything else is itself.
+
+        >>> Manifest({}, extra={"packs": "xxh3-128:ab"}).checkpoint_id
+        'xxh3-128:ab'
+        """
+        packs = self.extra.get("packs")
+        return packs if isinstance(packs, str) else self.id
+
+    @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files.values())
 

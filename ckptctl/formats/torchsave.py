@@ -110,6 +110,10 @@ def load_torch_file(store: Store, rel: str):
         except (RuntimeError, EOFError, ValueError, OSError) as e:
             raise FormatError(where, "not a loadable torch.save file "
                               f"({shorten(e, 120) or type(e).__name__})") from None
+        except (KeyError, IndexError, TypeError, AttributeError, AssertionError) as e:
+            # torch's weights-only unpickler trips over malformed opcode streams this way
+            raise FormatError(where, "not a loadable torch.save file (malformed pickle: "
+                              f"{type(e).__name__})") from None
     finally:
         if tmp:
             os.unlink(tmp)

@@ -123,7 +123,7 @@ def _items(rows: list[CheckpointRow], *, now: float, grace: float) -> list[Item]
             t = _last_touched(r)
         items.append(Item(r.name, r.step, t, r.state, r.pinned,
                           tuple(getattr(m, "tags", None) or ()),
-                          m.id if m is not None else None, getattr(m, "base", None),
+                          m.checkpoint_id if m is not None else None, getattr(m, "base", None),
                           series=posixpath.dirname(r.name)))
     return items
 
