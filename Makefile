@@ -30,6 +30,12 @@ demo: venv
 	$(BIN)/ckptctl reshard $(DEMO)/run1/step-20 $(DEMO)/run1-2d/step-20 --mesh dp=2,tp=2 --rules llama --dry-run
 	$(BIN)/ckptctl reshard $(DEMO)/run1/step-20 $(DEMO)/run1-2d/step-20 --mesh dp=2,tp=2 --rules llama
 	$(BIN)/ckptctl consolidate $(DEMO)/run1/step-20 $(DEMO)/hf --to safetensors --only model --strip-prefix model. --dtype bf16
+	@echo "== tiers: promote to a second place (verified, committed last), then retention"
+	$(BIN)/ckptctl promote $(DEMO)/run1/step-20 $(DEMO)/warm/step-20 --dry-run
+	$(BIN)/ckptctl promote $(DEMO)/run1/step-20 $(DEMO)/warm/step-20 --bwlimit 500MiB/s
+	$(BIN)/ckptctl verify $(DEMO)/warm/step-20 --level full
+	$(BIN)/ckptctl latest $(DEMO)/warm
+	$(BIN)/ckptctl gc $(DEMO)/run1 --keep-last 1 --dry-run
 	$(BIN)/ckptctl ls $(DEMO)
 
 test: venv
@@ -39,9 +45,11 @@ test-slow: venv
 	$(BIN)/python -m pytest -q -m slow || [ $$? -eq 5 ]  # 5: none marked slow
 
 bench: venv
+	$(PIP) -e '.[dev,bench]'
 	$(BIN)/python bench/verify_bench.py
 	$(BIN)/python bench/consolidate_bench.py
 	$(BIN)/python bench/exact_bench.py
+	$(BIN)/python bench/promote_bench.py
 
 docs: venv
 	$(BIN)/python tests/docsgen.py

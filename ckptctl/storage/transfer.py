@@ -69,6 +69,10 @@ class Transfer:
         self.pool = ThreadPoolExecutor(self.workers, thread_name_prefix="ckptctl-part")
         # parts read but not yet sent: bounds memory to about 2 * workers * part_size
         self.in_flight = threading.BoundedSemaphore(2 * self.workers)
+        # local sources are read into these, reused: first touches of fresh memory run at
+        # a fraction of copy speed (FACTS.md), and a part a second costs a fresh buffer
+        self._buffers: list[bytearray] = []
+        self._buffers_lock = threading.Lock()
         self.server_copy = (not src.is_local and src.same_server(dst)
                             and dst.caps.server_side_copy)
         # the limit holds where the bytes cross the network: a remote source is paced as
@@ -79,6 +83,23 @@ class Transfer:
     def close(self) -> None:
         self.cancel.set()
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def _take(self, n: int) -> tuple[bytearray | None, memoryview | None]:
+        """A slot for one part in flight, and (local sources) a reused buffer of ``n``."""
+        self.in_flight.acquire()
+        if not self.src.is_local:
+            return None, None
+        with self._buffers_lock:
+            buf = self._buffers.pop() if self._buffers else None
+        if buf is None or len(buf) < n:
+            buf = bytearray(max(n, self.part_size))
+        return buf, memoryview(buf)[:n]
+
+    def _give(self, buf: bytearray | None) -> None:
+        if buf is not None:
+            with self._buffers_lock:
+                self._buffers.append(buf)
+        self.in_flight.release()
 
     def _check(self) -> None:
         if self.cancel.is_set():
@@ -170,7 +191,7 @@ class Transfer:
         result = FileCopy(rel, size, "", "multipart")
         lock = threading.Lock()
 
-        def send(number: int, data: bytes, digest: str) -> None:
+        def send(number: int, data, digest: str, buf) -> None:
             try:
                 self._check()
                 if not self.pace_reads:
@@ -184,22 +205,26 @@ class Transfer:
                     result.parts_sent += 1
                 self._progress(len(data))
             finally:
-                self.in_flight.release()
+                self._give(buf)
 
         try:
             for number, start in enumerate(range(0, size, part_size), 1):
                 self._check()
                 end = min(size, start + part_size)
-                self.in_flight.acquire()
+                buf, view = self._take(end - start)
                 try:
                     if self.pace_reads:
                         self.limiter.acquire(end - start)
-                    data = with_retries(lambda: self.src.read_range(rel, start, end), what=rel)
+                    if view is not None:
+                        got = with_retries(lambda: self.src.read_into(rel, start, view), what=rel)
+                        data = view[:got]
+                    else:
+                        data = with_retries(lambda: self.src.read_range(rel, start, end), what=rel)
                 except BaseException:
-                    self.in_flight.release()
+                    self._give(buf)
                     raise
                 if len(data) != end - start:
-                    self.in_flight.release()
+                    self._give(buf)
                     raise Finding(self.src.display(rel), f"shorter than its manifest size "
                                   f"({start + len(data)} of {size} bytes)", code="SIZE_MISMATCH")
                 h.update(data)
@@ -208,7 +233,7 @@ class Transfer:
                 part_digest = ph.hexdigest()
                 old = rec.parts.get(number)
                 if number in have and old is not None:
-                    self.in_flight.release()
+                    self._give(buf)
                     if old.digest != part_digest:  # servers may refuse a part sent twice
                         multipart.abort_upload(self.dst, rel, upload_id)
                         self.journal.forget(rel)
@@ -219,7 +244,7 @@ class Transfer:
                     result.parts_resumed += 1
                     self._progress(len(data))
                     continue
-                futures.append(self.pool.submit(send, number, data, part_digest))
+                futures.append(self.pool.submit(send, number, data, part_digest, buf))
                 futures = [f for f in futures if not f.done() or f.exception() is not None]
                 for f in futures:
                     if f.done() and f.exception() is not None:
