@@ -1,0 +1,774 @@
+"""``diff``: compare two checkpoints entry by entry through the logical model, across
+formats and layouts (a 4-rank FSDP DCP checkpoint, its 2-D reshard and its consolidated
+safetensors compare identical).
+
+Each entry of A is matched with the entry of B of the same name (after ``maps``: prefix
+renames applied to A's names) and gets one :data:`STATUSES` status:
+
+* ``identical``: every byte equal. Proven without reading when both checkpoints are
+  sealed, the tensor's chunks are the same boxes at the same extents, and each file's
+  content hash is the same in both manifests (``proof: "hashes"``); else the bytes are
+  read and compared block by block (``proof: "bytes"``); objects decoded as plain data
+  compare by value (``proof: "values"``);
+* ``equal_within_tolerance``: bytes differ, but every element satisfies numpy's
+  ``isclose``: ``|a - b| <= atol + rtol * |b|`` (B is the reference); NaN equals NaN only
+  at the same positions, +-Inf equal only themselves, ``-0.0`` equals ``0.0``;
+* ``different``: with ``max_abs_diff`` (over positions where both values are finite),
+  ``rel_l2`` (``||a - b|| / ||b||`` over those positions; None when ``||b|| = 0``),
+  ``fraction_changed`` (elements whose values differ) and ``nonfinite_mismatch``
+  (positions where one side is NaN/Inf and the other is not the same);
+* ``dtype_mismatch``, ``shape_mismatch``, ``kind_mismatch`` (a tensor against an
+  object): nothing is read;
+* ``only_in_a``, ``only_in_b``.
+
+Tensors stream in row blocks over the intersection of the two chunk layouts (each chunk
+of A is assembled from B's chunks, the way reshard assembles a target chunk), so memory
+stays within ``max_memory`` whatever the tensor sizes. Blocks are compared as bytes
+first; only blocks that differ are decoded to float64 (bf16 by a bit shift, fp8 by a
+table: no torch) for the statistics.
+
+Objects: compared by value when both decode safely as plain data (numbers, strings,
+lists, dicts: DCP pickles through the no-globals loader, torch.save values as loaded);
+else by their payload bytes (a DCP object's ``data.pkl`` and storages, an opaque file's
+bytes), which may call the same value "different" across formats (the note says so).
+
+>>> r = diff("run/step-100", "export/", maps=["model.="], only=["layers.*"])  # doctest: +SKIP
+>>> r.equal, r.counts                                                          # doctest: +SKIP
+(True, {'identical': 36})
+"""
+from __future__ import annotations
+
+import fnmatch
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from ..errors import CkptError, StorageError, UsageError
+
+#: Every status an entry can get, in the order summaries list them.
+STATUSES = ("identical", "equal_within_tolerance", "different", "dtype_mismatch",
+            "shape_mismatch", "kind_mismatch", "only_in_a", "only_in_b")
+#: The statuses that make two checkpoints equal (exit 0).
+EQUAL = ("identical", "equal_within_tolerance")
+#: Elements decoded to float64 at once (a few such arrays live per worker).
+SUB_ELEMENTS = 1 << 17
+
+
+@dataclass
+class EntryDiff:
+    """One entry's comparison. ``name`` is the matching name (A's after ``maps``);
+    ``name_a``/``name_b`` the names on each side. ``proof`` says what was shown:
+    ``hashes`` (manifest content hashes, bytes not read), ``bytes`` (read and compared),
+    ``values`` (decoded plain values), ``tolerance`` (values within atol/rtol)."""
+
+    name: str
+    kind: str  # "tensor" or "object"
+    status: str
+    name_a: str | None = None
+    name_b: str | None = None
+    dtype: str | None = None
+    dtype_b: str | None = None
+    shape: list[int] | None = None
+    shape_b: list[int] | None = None
+    bytes: int = 0
+    proof: str | None = None
+    numel: int | None = None
+    changed: int | None = None
+    outside_tolerance: int | None = None
+    nonfinite_mismatch: int | None = None
+    max_abs_diff: float | None = None
+    rel_l2: float | None = None
+    fraction_changed: float | None = None
+    note: str | None = None
+
+
+@dataclass
+class DiffResult:
+    """What :func:`diff` found. ``a``/``b``: each side's ``url``, ``format``, ``step``,
+    ``manifest_id``. ``entries``: every compared entry, in natural name order.
+    ``bytes``: tensor bytes of the entries present on both sides with the same dtype and
+    shape; ``bytes_fast_pathed``: of those, proven by manifest hashes without reading;
+    ``bytes_compared``: read from each side and compared; ``bytes_decoded``: in blocks
+    that differed, decoded for statistics."""
+
+    equal: bool
+    a: dict
+    b: dict
+    atol: float
+    rtol: float
+    entries: list[EntryDiff] = field(default_factory=list)
+    counts: dict[str, int] = field(default_factory=dict)
+    bytes: int = 0
+    bytes_identical: int = 0
+    bytes_fast_pathed: int = 0
+    bytes_compared: int = 0
+    bytes_decoded: int = 0
+    seconds: float = 0.0
+    proven: str = ""
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["entries"] = [{k: v for k, v in e.items() if v is not None} for e in d["entries"]]
+        return d
+
+
+# --------------------------------------------------------------------------- names
+
+
+def parse_maps(maps: list[str] | None) -> list[tuple[str, str]]:
+    """``OLD=NEW`` prefix renames (``model.=`` strips ``model.``); a text without ``=``
+    or with an empty OLD is a usage error.
+
+    >>> parse_maps(["model.=", "a.b=c."])
+    [('model.', ''), ('a.b', 'c.')]
+    >>> parse_maps(["model."])
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: --map expects OLD=NEW (a name prefix and its replacement), got 'model.'
+    """
+    out = []
+    for m in maps or ():
+        old, sep, new = m.partition("=")
+        if not sep or not old:
+            raise UsageError(f"--map expects OLD=NEW (a name prefix and its replacement), got {m!r}")
+        out.append((old, new))
+    return out
+
+
+def map_name(name: str, maps: list[tuple[str, str]]) -> str:
+    """``name`` with the first matching prefix replaced.
+
+    >>> map_name("model.layers.0.w", [("model.", "")]), map_name("optim.x", [("model.", "")])
+    ('layers.0.w', 'optim.x')
+    """
+    for old, new in maps:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def selected(name: str, only: list[str] | None) -> bool:
+    """Whether ``name`` matches one of the ``only`` globs (all names when none).
+
+    >>> selected("model.layers.0.w", ["model.*"]), selected("optim.x", ["model.*", "step"])
+    (True, False)
+    """
+    return not only or any(fnmatch.fnmatchcase(name, g) for g in only)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _minifloat_table(exp: int, man: int, bias: int, *, special: str, bits: int = 8):
+    """float64 value of every code of a small float format. ``special``: ``ieee`` (all-ones
+    exponent: Inf/NaN), ``fn`` (only all-ones exponent and mantissa: NaN, no Inf),
+    ``fnuz`` (only the negative-zero code is NaN), ``none`` (every code finite)."""
+    import numpy as np
+
+    out = np.empty(1 << bits, dtype=np.float64)
+    top = (1 << exp) - 1
+    for v in range(1 << bits):
+        s, e, m = v >> (bits - 1), (v >> man) & top, v & ((1 << man) - 1)
+        if special == "fnuz" and v == 1 << (bits - 1):
+            x = math.nan
+        elif special == "ieee" and e == top:
+            x = math.inf if m == 0 else math.nan
+        elif special == "fn" and e == top and m == (1 << man) - 1:
+            x = math.nan
+        elif e == 0:
+            x = m / (1 << man) * 2.0 ** (1 - bias)
+        else:
+            x = (1 + m / (1 << man)) * 2.0 ** (e - bias)
+        out[v] = -x if s else x
+    return out
+
+
+#: exponent bits, mantissa bits, bias, special codes of each 8-bit float
+_FP8 = {"float8_e4m3fn": (4, 3, 7, "fn"), "float8_e5m2": (5, 2, 15, "ieee"),
+        "float8_e4m3fnuz": (4, 3, 8, "fnuz"), "float8_e5m2fnuz": (5, 2, 16, "fnuz")}
+_TABLES: dict[str, object] = {}
+_TABLES_LOCK = threading.Lock()
+
+
+def _table(name: str):
+    with _TABLES_LOCK:
+        if name not in _TABLES:
+            import numpy as np
+
+            if name == "float8_e8m0fnu":  # exponent only, no sign: 2**(e-127), 0xFF NaN
+                t = np.array([2.0 ** (e - 127) for e in range(256)])
+                t[255] = math.nan
+            elif name in ("float4_e2m1fn_x2", "float4_e2m1"):
+                t = _minifloat_table(2, 1, 1, special="none", bits=4)
+            else:
+                exp, man, bias, special = _FP8[name]
+                t = _minifloat_table(exp, man, bias, special=special)
+            _TABLES[name] = t
+        return _TABLES[name]
+
+
+_NATIVE = {"bool": "u1", "uint8": "u1", "int8": "i1", "uint16": "<u2", "int16": "<i2",
+           "uint32": "<u4", "int32": "<i4", "uint64": "<u8", "int64": "<i8",
+           "qint8": "i1", "quint8": "u1", "qint32": "<i4",
+           "float16": "<f2", "float32": "<f4", "float64": "<f8",
+           "complex64": "<c8", "complex128": "<c16"}
+
+
+def decodable(dtype) -> bool:
+    """Whether :func:`decode` gives values for ``dtype`` (packed fp4/fp6 it does not).
+
+    >>> from ckptctl.model import DTYPES
+    >>> decodable(DTYPES["bfloat16"]), decodable(DTYPES["float8_e4m3fn"]), decodable(DTYPES["float6_e2m3"])
+    (True, True, False)
+    """
+    return dtype.name in _NATIVE or dtype.name in ("bfloat16", "complex32") or (
+        dtype.kind == "float8")
+
+
+def decode(raw, dtype):
+    """Little-endian element bytes as numbers: float64 for real types (exact for every
+    float type; integers wider than 53 bits are rounded), complex128 for complex ones.
+    bf16 is widened by a bit shift and fp8/fp4 through a code table, without torch.
+
+    >>> import numpy as np
+    >>> from ckptctl.model import DTYPES
+    >>> decode(np.array([0x3f80, 0xc040], dtype="<u2").tobytes(), DTYPES["bfloat16"]).tolist()
+    [1.0, -3.0]
+    >>> decode(bytes([0x38, 0x7f, 0xfe]), DTYPES["float8_e4m3fn"]).tolist()
+    [1.0, nan, -448.0]
+    """
+    import numpy as np
+
+    u8 = np.frombuffer(raw, dtype=np.uint8)
+    name = dtype.name
+    if name == "bfloat16":  # widening a NaN is exact; numpy warns about it all the same
+        with np.errstate(invalid="ignore"):
+            return (u8.view("<u2").astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    if name == "complex32":
+        f = u8.view("<f2").astype(np.float64)
+        return f[0::2] + 1j * f[1::2]
+    if name == "float4_e2m1fn_x2":  # two values a byte, low nibble first
+        t = _table(name)
+        return np.stack([t[u8 & 0xF], t[u8 >> 4]], axis=-1).reshape(-1)
+    if dtype.kind == "float8":
+        return _table(name)[u8]
+    native = u8.view(_NATIVE[name])
+    if native.dtype.kind == "c":
+        return native.astype(np.complex128)
+    return native.astype(np.float64)
+
+
+def _bytes_equal(a, b) -> bool:
+    """memcmp-speed equality of two equal-length byte buffers (numpy, widest word)."""
+    import numpy as np
+
+    x, y = np.frombuffer(a, dtype=np.uint8), np.frombuffer(b, dtype=np.uint8)
+    if len(x) != len(y):
+        return False
+    n = len(x)
+    for w in (8, 4, 2):
+        if n % w == 0:
+            x, y = x.view(f"u{w}"), y.view(f"u{w}")
+            break
+    return bool(np.array_equal(x, y))
+
+
+# --------------------------------------------------------------------------- statistics
+
+
+class _Stats:
+    """Running statistics of one tensor over the blocks that differ."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.numel = 0
+        self.changed = 0
+        self.outside = 0
+        self.nonfinite = 0
+        self.max_abs = 0.0
+        self.sum_d2 = 0.0
+        self.sum_b2 = 0.0
+        self.diff_bytes = 0
+        self.same_blocks: list[tuple] = []  # (chunk, r0, r1): ||b|| still owed
+        self.undecoded = False
+
+    def merge(self, o: "_Stats") -> None:
+        with self.lock:
+            self.changed += o.changed
+            self.outside += o.outside
+            self.nonfinite += o.nonfinite
+            self.max_abs = max(self.max_abs, o.max_abs)
+            self.sum_d2 += o.sum_d2
+            self.sum_b2 += o.sum_b2
+            self.diff_bytes += o.diff_bytes
+            self.same_blocks += o.same_blocks
+            self.undecoded |= o.undecoded
+
+    def feed(self, a, b, dtype, atol: float, rtol: float) -> None:
+        """Add a differing block (raw bytes of A and B), decoded in sub-blocks."""
+        import numpy as np
+
+        self.diff_bytes += len(a)
+        if not decodable(dtype):
+            self.undecoded = True
+            return
+        item = dtype.itemsize
+        step = SUB_ELEMENTS * item
+        native = _NATIVE.get(dtype.name)
+        exact_ints = native is not None and np.dtype(native).kind in "iub"
+        for s in range(0, len(a), step):
+            ra, rb = a[s:s + step], b[s:s + step]
+            x, y = decode(ra, dtype), decode(rb, dtype)
+            if exact_ints:  # wide integers round in float64: |a-b| from the integers
+                ia, ib = np.frombuffer(ra, dtype=native), np.frombuffer(rb, dtype=native)
+                same = ia == ib
+                wide = np.int64 if np.dtype(native).kind == "i" else np.uint64
+                ua, ub = ia.astype(wide).view(np.uint64), ib.astype(wide).view(np.uint64)
+                d = np.where(ia >= ib, ua - ub, ub - ua).astype(np.float64)  # exact mod 2**64
+                close = same | (d <= atol + rtol * np.abs(y))
+                self.changed += int(np.count_nonzero(~same))
+                self.outside += int(np.count_nonzero(~close))
+                if d.size:
+                    self.max_abs = max(self.max_abs, float(d.max()))
+                    self.sum_d2 += float(np.dot(d, d))
+                    self.sum_b2 += float(np.dot(y, y))
+                continue
+            with np.errstate(invalid="ignore", over="ignore"):
+                d = np.subtract(x, y)
+                d = np.abs(d, out=d) if d.dtype.kind == "f" else np.abs(d)
+                top = d.max() if d.size else 0.0
+            if np.isfinite(top):  # the common case, in few passes: d == 0 iff a == b
+                changed = int(np.count_nonzero(d))
+                self.changed += changed
+                if atol == 0 and rtol == 0:
+                    self.outside += changed
+                else:
+                    tol = np.abs(y) * rtol + atol if rtol else atol
+                    self.outside += int(np.count_nonzero(d > tol))
+                self.max_abs = max(self.max_abs, float(top))
+                self.sum_d2 += float(np.dot(d, d))
+                self.sum_b2 += float(np.real(np.vdot(y, y)))  # sum |y|^2, complex too
+                continue
+            with np.errstate(invalid="ignore", over="ignore"):
+                # NaN where either is NaN or both are the same Inf
+                same = x == y
+                if not np.isfinite(d).all():  # NaN equals NaN at the same position
+                    same |= np.isnan(x) & np.isnan(y)
+                    fin = np.isfinite(d)  # both finite (an overflow aside)
+                    self.nonfinite += int(np.count_nonzero(~same & ~fin))
+                    d, y = d[fin], y[fin]
+                    same_fin = same[fin]
+                else:
+                    same_fin = same
+                tol = atol + rtol * np.abs(y) if rtol else atol
+                outside = ~same_fin & ~(d <= tol)
+            self.changed += int(same.size - np.count_nonzero(same))
+            self.outside += int(np.count_nonzero(outside))
+            # non-finite positions that differ are outside any tolerance
+            self.outside += int(np.count_nonzero(~same)) - int(np.count_nonzero(~same_fin))
+            if d.size:
+                self.max_abs = max(self.max_abs, float(d.max()))
+                self.sum_d2 += float(np.dot(d, d))
+                self.sum_b2 += float(np.real(np.vdot(y, y)))  # sum |y|^2, complex too
+
+    def feed_norm(self, raw, dtype) -> None:
+        """Add an identical block's share of ``||b||``."""
+        import numpy as np
+
+        step = SUB_ELEMENTS * dtype.itemsize
+        for s in range(0, len(raw), step):
+            y = decode(raw[s:s + step], dtype)
+            with np.errstate(invalid="ignore", over="ignore"):
+                n2 = float(np.real(np.vdot(y, y)))
+            if not math.isfinite(n2):  # NaN/Inf (or an overflow): finite values only
+                y = y[np.isfinite(y)]
+                n2 = float(np.real(np.vdot(y, y)))
+            self.sum_b2 += n2
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+def _hash_proven(cka, ckb, ta, tb) -> bool:
+    """Same boxes at the same extents, and every file they live in has the same content
+    hash in both manifests (and its listed size): the bytes are equal without reading
+    them, as far as the manifests are true to their files."""
+    ma, mb = cka.info.get("manifest"), ckb.info.get("manifest")
+    if ma is None or mb is None or ma.hash != mb.hash or not ta.chunks:
+        return False
+    key = lambda c: (c.offsets, c.sizes)  # noqa: E731
+    ca, cb = sorted(ta.chunks, key=key), sorted(tb.chunks, key=key)
+    if [(c.offsets, c.sizes, c.extent) for c in ca] != [(c.offsets, c.sizes, c.extent) for c in cb]:
+        return False
+    for c in ca:  # the listing's sizes must agree too (a cheap sanity check; verify
+        rel = c.extent.file  # --level full is what re-proves a manifest against its files)
+        fa, fb = ma.files.get(rel), mb.files.get(rel)
+        if fa is None or fa != fb or cka.files.get(rel) != fa.size or ckb.files.get(rel) != fb.size:
+            return False
+    return True
+
+
+def _target(ta, ca, tb):
+    """Chunk ``ca`` of A as a reshard target assembled from B's chunks."""
+    from ..boxes import intersect, relative
+    from .planner import Piece, TargetChunk
+
+    box = (ca.offsets, ca.sizes)
+    pieces = []
+    for cb in tb.chunks:
+        got = intersect(box, (cb.offsets, cb.sizes))
+        if got is not None:
+            pieces.append(Piece(cb, relative(got, cb.offsets), relative(got, ca.offsets), got[1]))
+    return TargetChunk(tb.name, tb.dtype, 0, ca.offsets, ca.sizes, tuple(pieces))
+
+
+def _check_cover(ck, t) -> None:
+    """Chunks that hold fewer elements than the tensor leave a gap nothing would compare
+    (``verify`` says where); refuse rather than call the rest identical."""
+    from ..errors import FormatError
+
+    held = sum(c.numel for c in t.chunks)
+    if held < t.numel:
+        raise FormatError(ck.root, f"{t.name}: chunks hold {held} of {t.numel} elements "
+                          "(run ckptctl verify)", code="CHUNK_GAP")
+
+
+class _Pair:
+    """One tensor present on both sides with the same dtype and shape."""
+
+    def __init__(self, row: EntryDiff, ta, tb):
+        self.row, self.ta, self.tb = row, ta, tb
+        self.stats = _Stats()
+        self.compared = 0
+        self.differs = False  # a block differed: later identical blocks add ||b|| at once
+
+
+def _compare_chunk(job, cka, ckb, budget, atol, rtol, on_bytes) -> None:
+    """Compare chunk ``ca`` of A with the same box of B, row block by row block."""
+    import numpy as np
+
+    from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows_into
+    from .copier import fill_rows, row_ranges
+
+    pair, ca = job
+    ta, tb, dtype = pair.ta, pair.tb, pair.ta.dtype
+    st = _Stats()
+    if not ca.sizes or dtype.bits % 8:  # a scalar, or packed sub-byte: whole, small
+        a = chunk_bytes(cka, ta, ca)
+        tc = _target(ta, ca, tb)
+        if len(tc.pieces) != 1 or tc.pieces[0].sizes != tc.pieces[0].src.sizes:
+            from ..errors import UnsupportedFormatError
+
+            raise UnsupportedFormatError(cka.root, f"{ta.name}: sub-byte tensors split "
+                                         "differently cannot be compared")
+        b = chunk_bytes(ckb, tb, tc.pieces[0].src)
+        if not _bytes_equal(a, b):
+            st.feed(a, b, dtype, atol, rtol)
+        with pair.stats.lock:
+            pair.compared += len(a)
+        pair.stats.merge(st)
+        if on_bytes:
+            on_bytes(len(a))
+        return
+    tc = _target(ta, ca, tb)
+    inner = math.prod(ca.sizes[1:])
+    row = dtype.nbytes(inner)
+    brow = max([dtype.nbytes(math.prod(p.src.sizes[1:])) for p in tc.pieces] or [row])
+    vt = byte_dtype(dtype)
+    abuf = bbuf = None
+    for r0, r1 in row_ranges(ca.sizes[0], row_bytes=max(row, brow), budget=budget):
+        n = (r1 - r0) * row
+        if abuf is None or abuf.nbytes < n:
+            abuf, bbuf = np.empty(n, dtype=np.uint8), np.empty(n, dtype=np.uint8)
+        a = memoryview(abuf[:n])
+        read_rows_into(cka, ta, ca, r0, r1, a)
+        out = bbuf[:n].view(vt).reshape((r1 - r0, *ca.sizes[1:]))
+        fill_rows(ckb, tc, r0, r1, out)
+        b = memoryview(bbuf[:n])
+        if not _bytes_equal(a, b):
+            pair.differs = True
+            st.feed(a, b, dtype, atol, rtol)
+        elif pair.differs and decodable(dtype):  # in memory now: no second read
+            st.feed_norm(a, dtype)
+        else:  # owed only if the tensor turns out to differ elsewhere
+            st.same_blocks.append((ca, r0, r1))
+        if on_bytes:
+            on_bytes(n)
+    with pair.stats.lock:
+        pair.compared += ca.numel * dtype.itemsize
+    pair.stats.merge(st)
+
+
+def _owed_norm(job, cka) -> _Stats:
+    """``||b||`` over blocks found identical in a tensor that differs elsewhere: re-read
+    from A (the same bytes)."""
+    from ..formats.tensorio import read_rows
+
+    pair, (ca, r0, r1) = job
+    st = _Stats()
+    st.feed_norm(read_rows(cka, pair.ta, ca, r0, r1), pair.ta.dtype)
+    return st
+
+
+def _finish(pair: _Pair) -> None:
+    row, s = pair.row, pair.stats
+    if s.diff_bytes == 0:
+        row.status, row.proof = "identical", "bytes"
+        return
+    if s.undecoded:
+        row.status = "different"
+        row.note = f"bytes differ; {row.dtype} values are not decoded"
+        return
+    # the number of values compared: torch's fp4 x2 holds two in each element
+    row.numel = pair.ta.numel * (2 if pair.ta.dtype.name == "float4_e2m1fn_x2" else 1)
+    row.changed, row.outside_tolerance, row.nonfinite_mismatch = s.changed, s.outside, s.nonfinite
+    if s.outside == 0:
+        row.status, row.proof = "equal_within_tolerance", "tolerance"
+        if s.changed == 0:
+            row.note = "values equal, bytes differ (-0.0 against 0.0, or NaN payloads)"
+        return
+    row.status = "different"
+    row.max_abs_diff = s.max_abs
+    row.rel_l2 = math.sqrt(s.sum_d2) / math.sqrt(s.sum_b2) if s.sum_b2 > 0 else None
+    row.fraction_changed = s.changed / row.numel if row.numel else 0.0
+    if s.nonfinite:
+        row.note = f"{s.nonfinite} positions NaN/Inf on one side only"
+
+
+# --------------------------------------------------------------------------- objects
+
+
+def _plain(v, depth: int = 0) -> bool:
+    if depth > 50:
+        return False
+    if v is None or isinstance(v, (bool, int, float, str, bytes)):
+        return True
+    if isinstance(v, (list, tuple)):
+        return all(_plain(x, depth + 1) for x in v)
+    if isinstance(v, dict):
+        return all(_plain(k, depth + 1) and _plain(x, depth + 1) for k, x in v.items())
+    return False
+
+
+def _object_value(ck, o):
+    """(True, value) when the object decodes safely as plain data, else (False, None)."""
+    from ..formats.tensorio import read_object
+
+    if o.extent is not None and o.extent.encoding == "opaque":
+        return False, None
+    if o.extent is not None and o.extent.encoding == "torch_save":
+        return (True, o.value) if _plain(o.value) else (False, None)
+    try:
+        v = read_object(ck, o)
+    except StorageError:
+        raise
+    except CkptError:  # not plain data: compare the bytes
+        return False, None
+    return (True, v) if _plain(v) else (False, None)
+
+
+def _object_bytes(ck, o) -> bytes | None:
+    """The bytes an object's payload is made of: a DCP zip's ``data.pkl`` and storage
+    records (not its name or serialization id), an opaque file's bytes; None when the
+    object lives only in memory."""
+    from ..formats.tensorio import decompress_bounded
+    from ..formats.torchzip import central_directory, local_data_offset
+
+    ext = o.extent
+    if ext is None or ext.encoding == "torch_save":
+        return None
+    where = ck.store.display(ext.file)
+    blob = ck.store.read_range(ext.file, ext.offset, ext.offset + ext.length)
+    if ext.encoding in ("raw", "opaque"):
+        return blob
+    if ext.encoding == "torch_zip+zstd":
+        blob = decompress_bounded(blob, where, 1 << 30)
+    entries, _ = central_directory(blob, len(blob), where=where)
+    parts = []
+    for en in sorted(entries, key=lambda e: e.name.split("/", 1)[-1]):
+        rec = en.name.split("/", 1)[-1]
+        if rec == "data.pkl" or rec.startswith("data/"):
+            off = local_data_offset(blob[en.header_offset:en.header_offset + 512], en, where=where)
+            parts.append(rec.encode() + b"\0" + blob[off:off + en.csize])
+    return b"\1".join(parts)
+
+
+def _compare_object(row: EntryDiff, cka, oa, ckb, ob) -> None:
+    ok_a, va = _object_value(cka, oa)
+    ok_b, vb = _object_value(ckb, ob)
+    if ok_a and ok_b:
+        same = va == vb or (isinstance(va, float) and isinstance(vb, float)
+                            and math.isnan(va) and math.isnan(vb))
+        row.status, row.proof = ("identical", "values") if same else ("different", None)
+        if not same:
+            from ..errors import shorten
+
+            row.note = shorten(f"values differ: {va!r} against {vb!r}", 200)
+        return
+    ba, bb = _object_bytes(cka, oa), _object_bytes(ckb, ob)
+    if ba is None or bb is None:
+        row.status = "different"
+        row.note = "not comparable: one side decodes as plain data, the other not"
+        return
+    row.bytes = len(ba)
+    if ba == bb:
+        row.status, row.proof = "identical", "bytes"
+    else:
+        row.status = "different"
+        row.note = "payload bytes differ (not decodable as plain data)"
+
+
+# --------------------------------------------------------------------------- diff
+
+
+def _side(ck) -> dict:
+    man = ck.info.get("manifest")
+    return {"url": ck.root, "format": ck.format, "step": ck.step,
+            "num_tensors": len(ck.tensors), "num_objects": len(ck.objects),
+            "manifest_id": man.checkpoint_id if man is not None else None}
+
+
+def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None = None, *,
+         atol: float = 0.0, rtol: float = 0.0, only: list[str] | None = None,
+         maps: list[str] | None = None, max_memory: int | str = 1 << 30, workers: int = 4,
+         on_bytes: Callable[[int], None] | None = None,
+         on_total: Callable[[int], None] | None = None) -> DiffResult:
+    """Compare checkpoint ``a`` with ``b`` (any formats, layouts, places).
+
+    ``maps``: ``OLD=NEW`` prefix renames applied to A's names before matching; ``only``:
+    globs over the matching names (any may match). ``atol``/``rtol``: numpy ``isclose``
+    tolerance, B the reference. Memory for tensor data stays within about
+    ``max_memory``; ``workers`` chunks are compared at once. ``on_bytes(n)``: n more
+    bytes of each side compared; ``on_total(n)``: called once with the total.
+
+    >>> diff("a/", "b/", atol=-1)
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: --atol and --rtol must be finite and >= 0
+    """
+    from ..formats.detect import open_checkpoint
+    from ..model import natural_key
+    from .reshard import parse_size
+
+    if not all(math.isfinite(x) and x >= 0 for x in (atol, rtol)):
+        raise UsageError("--atol and --rtol must be finite and >= 0")
+    if workers < 1:
+        raise UsageError("--workers must be at least 1")
+    pairs = parse_maps(maps)
+    max_memory = parse_size(max_memory)
+    if max_memory < 1 << 20:
+        raise UsageError("--max-memory must be at least 1MiB")
+    t0 = time.monotonic()
+    cka = open_checkpoint(a, a_options)
+    ckb = open_checkpoint(b, b_options)
+    for ck in (cka, ckb):  # remote: small files in one GET each, within the budget
+        ck.store.cache_small_files(ck.files, budget=min(256 << 20, max_memory // 4))
+
+    names_a: dict[str, str] = {}
+    for n in list(cka.tensors) + list(cka.objects):
+        key = map_name(n, pairs)
+        if key in names_a:
+            raise UsageError(f"--map makes {names_a[key]!r} and {n!r} of A the same name {key!r}")
+        names_a[key] = n
+    names_b = {n: n for n in list(ckb.tensors) + list(ckb.objects)}
+    keys = sorted((k for k in set(names_a) | set(names_b) if selected(k, only)), key=natural_key)
+    if only and not keys:
+        raise UsageError(f"--only {' '.join(only)} selects no entry of either checkpoint")
+
+    rows: list[EntryDiff] = []
+    pairs_todo: list[_Pair] = []
+    objects: list[tuple] = []
+    res = DiffResult(False, _side(cka), _side(ckb), atol, rtol)
+    for k in keys:
+        na, nb = names_a.get(k), names_b.get(k)
+        ta = cka.tensors.get(na) if na else None
+        tb = ckb.tensors.get(nb) if nb else None
+        kind = "tensor" if (ta or tb) else "object"
+        row = EntryDiff(k, kind, "", name_a=na, name_b=nb)
+        rows.append(row)
+        if na is None or nb is None:
+            row.status = "only_in_a" if nb is None else "only_in_b"
+            t = ta or tb
+            if t is not None:
+                row.dtype, row.shape, row.bytes = t.dtype.name, list(t.shape), t.nbytes
+            continue
+        if (ta is None) != (tb is None):
+            row.status = "kind_mismatch"
+            row.note = f"A holds {'a tensor' if ta else 'an object'}, B {'a tensor' if tb else 'an object'}"
+            continue
+        if ta is None:
+            objects.append((row, cka.objects[na], ckb.objects[nb]))
+            continue
+        row.dtype, row.shape, row.bytes = ta.dtype.name, list(ta.shape), ta.nbytes
+        if ta.dtype.name != tb.dtype.name:
+            row.status, row.dtype_b = "dtype_mismatch", tb.dtype.name
+            continue
+        if tuple(ta.shape) != tuple(tb.shape):
+            row.status, row.shape_b = "shape_mismatch", list(tb.shape)
+            continue
+        res.bytes += ta.nbytes
+        if ta.nbytes == 0:
+            row.status, row.proof = "identical", "bytes"
+        elif _hash_proven(cka, ckb, ta, tb):
+            row.status, row.proof = "identical", "hashes"
+            res.bytes_fast_pathed += ta.nbytes
+        else:
+            pairs_todo.append(_Pair(row, ta, tb))
+
+    jobs = []
+    for p in pairs_todo:
+        _check_cover(cka, p.ta)
+        _check_cover(ckb, p.tb)
+        jobs += [(p, c) for c in p.ta.chunks if c.numel]
+    workers = max(1, min(workers, len(jobs) or 1, max_memory // (4 << 20) or 1))
+    budget = max(64 << 10, min(16 << 20, max_memory // (4 * workers)))
+    if on_total:
+        on_total(sum(p.ta.nbytes for p in pairs_todo))
+
+    def run(job):
+        _compare_chunk(job, cka, ckb, budget, atol, rtol, on_bytes)
+
+    with ThreadPoolExecutor(workers) as pool:
+        list(pool.map(run, jobs))
+        owed = [(p, blk) for p in pairs_todo if p.stats.diff_bytes and not p.stats.undecoded
+                for blk in p.stats.same_blocks]
+        for st, (p, _) in zip(pool.map(lambda j: _owed_norm(j, cka), owed), owed):
+            p.stats.merge(st)
+        for row, oa, ob in objects:
+            _compare_object(row, cka, oa, ckb, ob)
+    for p in pairs_todo:
+        _finish(p)
+        res.bytes_compared += p.compared
+        res.bytes_decoded += p.stats.diff_bytes
+
+    counts = {s: 0 for s in STATUSES}
+    for row in rows:
+        counts[row.status] += 1
+        if row.status == "identical" and row.kind == "tensor":
+            res.bytes_identical += row.bytes
+    res.counts = {s: n for s, n in counts.items() if n}
+    res.entries = rows
+    res.equal = all(r.status in EQUAL for r in rows)
+    res.proven = _proven(rows, atol, rtol)
+    res.seconds = round(time.monotonic() - t0, 3)
+    return res
+
+
+def _proven(rows: list[EntryDiff], atol: float, rtol: float) -> str:
+    """What the equal entries were shown to be, in words.
+
+    >>> _proven([EntryDiff("w", "tensor", "identical", proof="hashes"),
+    ...          EntryDiff("x", "tensor", "equal_within_tolerance", proof="tolerance")], 0.1, 0)
+    '1 byte-identical (manifest hashes); 1 values within atol=0.1, rtol=0'
+    """
+    n = {k: sum(1 for r in rows if r.proof == k) for k in ("bytes", "hashes", "values", "tolerance")}
+    parts = []
+    if n["bytes"] or n["hashes"]:
+        how = [w for w, k in (("read and compared", "bytes"), ("manifest hashes", "hashes")) if n[k]]
+        parts.append(f"{n['bytes'] + n['hashes']} byte-identical ({', '.join(how)})")
+    if n["values"]:
+        parts.append(f"{n['values']} objects equal as plain values")
+    if n["tolerance"]:
+        parts.append(f"{n['tolerance']} values within atol={atol:g}, rtol={rtol:g}")
+    return "; ".join(parts) or "nothing equal"
