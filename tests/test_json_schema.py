@@ -277,6 +277,60 @@ def test_promote_json_error(cli, run, tmp_path):
     assert e["code"] == "NOT_COMMITTED" and "refusing to seal" in e["message"], e
 
 
+def test_pack_json(cli, run, tmp_path):
+    src, dst = run / "step-42", tmp_path / "packs" / "step-42"
+    doc = _json_ok(cli, "pack", str(src), str(dst), "--workers", "2")
+    landed = _sizes(dst)
+    assert (doc["src"], doc["dst"], doc["base"], doc["depth"]) == (str(src), str(dst), None, 0)
+    assert doc["sealed_source"] is True and doc["bytes_out"] == sum(landed.values())
+    assert doc["bytes_in"] == sum(_sizes(src).values())  # its manifest included
+    assert doc["ratio"] == round(doc["bytes_in"] / doc["bytes_out"], 4)
+    assert sum(doc["chunks"].values()) > 0 and set(doc["chunks"]) <= {"zstd", "planes"}
+    back = _json_ok(cli, "unpack", str(dst), str(tmp_path / "back"))
+    assert (back["src"], back["dst"]) == (str(dst), str(tmp_path / "back"))
+    assert back["manifest_id"] == doc["source_id"] and back["bytes"] == doc["bytes_in"]
+    assert _sizes(tmp_path / "back") == _sizes(src)
+
+
+def test_pack_json_error(cli, run, tmp_path):
+    (run / "step-42" / ".metadata").unlink()
+    e = _json_error(cli, 1, "pack", str(run / "step-42"), str(tmp_path / "p"))
+    assert e["code"] == "NOT_COMMITTED", e
+    assert not (tmp_path / "p").exists()
+
+
+def test_unpack_json_error(cli, run, tmp_path):
+    e = _json_error(cli, 2, "unpack", str(run / "step-42"), str(tmp_path / "out"))
+    assert e["code"] == "USAGE" and "not a pack" in e["message"], e
+    assert not (tmp_path / "out").exists()
+
+
+def test_diff_json(cli, run, tmp_path):
+    ck = run / "step-42"
+    out = tmp_path / "r2"
+    assert cli("reshard", str(ck), str(out), "--world-size", "2", "-q")[0] == 0
+    doc = _json_ok(cli, "diff", str(ck), str(out))
+    assert (doc["a"]["url"], doc["b"]["url"]) == (str(ck), str(out))
+    assert (doc["a"]["format"], doc["b"]["format"], doc["equal"]) == ("dcp", "dcp", True)
+    tensors = [e for e in doc["entries"] if e["kind"] == "tensor"]
+    assert len(tensors) == 3 and {e["status"] for e in doc["entries"]} == {"identical"}
+    assert doc["counts"] == {"identical": len(doc["entries"])}
+    assert doc["bytes"] == doc["bytes_compared"] == sum(e["bytes"] for e in tensors) > 0
+    # a difference is diff's answer (exit 1): its report, not an error object
+    code, text, _ = cli("diff", str(ck), str(out), "--map", "model.=", "--json")
+    doc = json.loads(text)
+    _check_schema(doc)
+    assert code == 1 and doc["equal"] is False and "error" not in doc
+    assert doc["counts"]["only_in_a"] == doc["counts"]["only_in_b"] == 3
+
+
+def test_diff_json_error(cli, run, tmp_path):
+    e = _json_error(cli, 3, "diff", str(run / "step-42"), str(run / "nope"))
+    assert e["code"] == "MISSING_FILE" and e["path"] == str(run / "nope")
+    e = _json_error(cli, 2, "diff", str(run / "step-42"), str(run / "step-42"), "--rtol", "-1")
+    assert e["code"] == "USAGE" and "--rtol" in e["message"]
+
+
 def test_interrupted_json_error(tmp_path):
     """Ctrl-C: "interrupted" on stderr, exit 130, and the error object on stdout. The
     command blocks reading its --rules file (a FIFO), so the signal lands mid-command."""
@@ -319,5 +373,5 @@ def test_every_command_with_json_is_covered():
     with_json = {name for name, cmd in group.commands.items()
                  if any("--json" in p.opts for p in cmd.params)}
     covered = {"ls", "inspect", "verify", "seal", "reshard", "consolidate", "tiers", "gc",
-               "promote"}
+               "promote", "pack", "unpack", "diff"}
     assert with_json == covered, with_json ^ covered

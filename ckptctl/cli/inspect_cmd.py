@@ -53,6 +53,11 @@ def inspect(
     step = f"step {r.step} (from {r.step_source})" if r.step is not None else "step unknown"
     say(f"{r.url}", quiet=quiet)
     say(f"  format   {r.format}, {step}, {'sealed' if r.sealed else 'not sealed'}", quiet=quiet)
+    if r.pack:
+        pk = r.pack
+        say(f"  pack     ratio {pk['ratio']:.2f} ({human_bytes(pk['pack_bytes'])} stored), "
+            + (f"base {pk['base']} (chain depth {pk['depth']})" if pk["base"] else "no base"),
+            quiet=quiet)
     say(f"  size     {human_bytes(r.bytes)} in {plural(r.num_files, 'file')}; "
         f"{plural(r.num_tensors, 'tensor')} ({human_bytes(r.tensor_bytes)}), "
         f"{plural(r.num_objects, 'object')}", quiet=quiet)

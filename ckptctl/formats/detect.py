@@ -21,6 +21,7 @@ from ..model import Checkpoint
 from ..storage import Store, open_store
 from . import composite, dcp, safetensors, torchsave
 from .manifest import read_manifest
+from .pack import PackStore, is_pack, pack_view
 
 _STEP_PATTERNS = [re.compile(p) for p in (
     r"^(?:step|global_step|checkpoint|ckpt|iter|iteration)[-_]?0*(\d+)$",
@@ -47,6 +48,8 @@ def step_from_name(url: str) -> int | None:
 
 def detect_format(files: dict[str, int]) -> str | None:
     """The format the files of a folder make up, or None."""
+    if is_pack(files):  # its data-NNNNN.bin files are no torch.save files
+        return "pack"
     if dcp.is_dcp(files):
         return "dcp"
     if composite.is_state_folder(files):
@@ -111,7 +114,7 @@ def locate(url: str, storage_options: dict | None = None) -> tuple[Store, dict[s
     a checkpoint folder or one checkpoint file. One listing request for a folder."""
     store = open_store(url, storage_options)
     files = store.list_files()
-    if files:
+    if files:  # a pack's own files: readers open the checkpoint inside with pack_view
         return store, files, None
     parent_url, name = url.rstrip("/").rsplit("/", 1) if "/" in url.rstrip("/") else (".", url)
     parent = open_store(parent_url or "/", storage_options)
@@ -132,7 +135,7 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
     Reads metadata only: a DCP checkpoint costs one listing and one or two GETs.
     ``located``: what :func:`locate` returned, to save listing again.
     """
-    store, files, single = located or locate(url, storage_options)
+    store, files, single = pack_view(located or locate(url, storage_options), storage_options)
     fmt = _file_format(single) if single else detect_format(files)
     if fmt == "dcp":
         ck = dcp.read_dcp(store, files, strict=strict)
@@ -146,6 +149,9 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
             if why:
                 raise UnsupportedFormatError(url, f"not a checkpoint: {why}") from None
             raise
+    elif fmt == "pack":  # a committed pack opens through pack_view: this one is not
+        raise FormatError(url, "an unfinished pack write (.ckptctl-writing is there); rerun "
+                          "`ckptctl pack` with --force", code="NOT_COMMITTED")
     elif fmt in ("composite", "safetensors", "torch"):
         ck = composite.read_folder(store, files)
     else:
@@ -155,6 +161,8 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
                                      f"{shown}{', ...' if len(files) > 5 else ''})")
     ck.root = url
     ck.info["manifest"] = read_manifest(store, files) if not single else None
+    if isinstance(store, PackStore):  # inspect shows what the pack holds and its ratio
+        ck.info["pack"] = store.info()
     resolve_step(ck, url, read_step=read_step)
     return ck
 

@@ -252,6 +252,38 @@ def _tensor_globals(where: str) -> dict:
     return allowed
 
 
+def storage_dtypes(data: bytes, *, where: str = "") -> dict[str, str]:
+    """Storage key -> dtype for the typed storages a torch.save ``data.pkl`` references,
+    read without torch and without running code. What the allow-list refuses ends the
+    walk: the keys seen so far are returned (a caller that needs all of them checks).
+
+    >>> import io, torch, zipfile
+    >>> buf = io.BytesIO(); torch.save({"a": torch.zeros(2, dtype=torch.bfloat16)}, buf)
+    >>> storage_dtypes(zipfile.ZipFile(buf).read("archive/data.pkl"))
+    {'0': 'bfloat16'}
+    """
+    import io as _io
+
+    from .safe_pickle import RestrictedUnpickler
+
+    found: dict[str, str] = {}
+
+    class _Unpickler(RestrictedUnpickler):
+        def persistent_load(self, pid):
+            if isinstance(pid, tuple) and len(pid) == 5 and isinstance(pid[1], _StorageType):
+                if pid[1].dtype:
+                    found.setdefault(str(pid[2]), pid[1].dtype)
+                return _Storage(pid[1].dtype, pid[2], pid[4] if isinstance(pid[4], int) else 0)
+            raise FormatError(where or None, "data.pkl: unexpected storage reference",
+                              code="MALFORMED_CHUNK")
+
+    try:
+        _Unpickler(_io.BytesIO(data), _tensor_globals(where)).load()
+    except Exception:  # noqa: BLE001 - what was seen before the refusal is the answer
+        pass
+    return found
+
+
 def parse_tensor_pickle(data: bytes, *, where: str = "") -> StoredTensor:
     """The one tensor a DCP chunk's ``data.pkl`` describes, read without torch and without
     running code (an allow-list of inert stand-ins). Anything else in the pickle (a

@@ -3,11 +3,13 @@
 ``ops`` never prints; the CLI renders what these return.
 """
 from .consolidate import ConsolidateResult, consolidate
+from .diff import DiffResult, EntryDiff, diff
 from .inspect import InspectResult, inspect, summarize
 from .reshard import ReshardResult, reshard
 from .gc import GcResult, gc
 from .latest import LatestResult, latest
 from .ls import LsResult, ls
+from .pack import PackResult, UnpackResult, pack, unpack
 from .pins import PinResult, pin, unpin
 from .policy import Decision, Item, Policy, apply_policy, parse_duration
 from .promote import PromoteResult, promote
@@ -22,4 +24,5 @@ __all__ = ["ConsolidateResult", "ReshardResult", "consolidate", "reshard", "Insp
            "TierCheck", "TiersResult", "check_tiers", "PromoteResult", "promote",
            "GcResult", "gc", "LatestResult", "latest", "PinResult", "pin", "unpin",
            "Decision", "Item", "Policy", "apply_policy", "parse_duration",
-           "RemoveResult", "remove_checkpoint"]
+           "RemoveResult", "remove_checkpoint", "DiffResult", "EntryDiff", "diff",
+           "PackResult", "UnpackResult", "pack", "unpack"]

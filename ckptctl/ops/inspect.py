@@ -65,6 +65,8 @@ class InspectResult:
     objects: list[ObjectInfo] = field(default_factory=list)
     tree: list[TreeNode] = field(default_factory=list)
     metadata: dict = field(default_factory=dict)
+    #: a pack read as the checkpoint it holds: ratio, base id, chain depth, chunks by mode
+    pack: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -143,7 +145,8 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
         tensor_bytes=sum(t.nbytes for t in ck.tensors.values()), num_buffers=num_buffers,
         dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])),
         layout=asdict(lay), closure=closure, sealed=ck.info.get("manifest") is not None,
-        tensors=shown, objects=objects, tree=_tree(shown, params) if tree else [], metadata=meta)
+        tensors=shown, objects=objects, tree=_tree(shown, params) if tree else [], metadata=meta,
+        pack=ck.info.get("pack"))
 
 
 def _jsonable(v):

@@ -91,7 +91,8 @@ def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
             continue  # inside a checkpoint already found
         own = by_dir[d]
         fmt = detect_format(own)
-        if fmt in ("dcp", "safetensors", "composite") or (fmt is None and MANIFEST in own) \
+        if fmt in ("dcp", "safetensors", "composite", "pack") \
+                or (fmt is None and MANIFEST in own) \
                 or WRITING_MARKER in own:  # an unfinished ckptctl write is listed incomplete
             found[d] = {k: v for k, v in files.items() if d == "" or k.startswith(d + "/")}
         elif fmt == "torch":

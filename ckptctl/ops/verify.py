@@ -98,7 +98,9 @@ class _Checker:
 
     # ------------------------------------------------------------ quick
     def quick(self):
-        located = self.located or locate(self.url, self.opts)
+        from ..formats.pack import pack_view  # ls hands over a pack folder's own listing
+
+        located = pack_view(self.located or locate(self.url, self.opts), self.opts)
         store, files, single = located
         self.store, self.files = store, files
         for rel in files:
@@ -454,7 +456,15 @@ class _Checker:
             todo = regions[rel]
             if not sealed and not todo and rel in torch_files:
                 return rel, None, []  # a legacy torch.save file: decoded by torch.load
-            scan_file(store, rel, [r for r, _ in todo], hasher=hasher, on_bytes=self.on_bytes)
+            try:
+                scan_file(store, rel, [r for r, _ in todo], hasher=hasher, on_bytes=self.on_bytes)
+            except CkptError as e:
+                if isinstance(e, StorageError) or getattr(store, "protocol", None) != "pack":
+                    raise
+                # a pack's chunk that fails its checksum: a finding about the pack
+                self.add(e.code if e.code in PROBLEM_CODES else "MALFORMED_CHUNK", e.message,
+                         path=e.path)
+                return rel, "unreadable", []
             return rel, hasher.hexdigest() if hasher else None, todo
 
         def decode(job):

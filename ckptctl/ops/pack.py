@@ -1,0 +1,630 @@
+"""``pack`` and ``unpack``: store a checkpoint as a lossless, compressed (optionally
+delta-encoded) pack, and restore it byte for byte.
+
+``pack`` reads SRC through the logical model: every original file is cut into ``tensor``
+segments (one tensor chunk's element bytes: safetensors extents, the storage records of
+DCP chunk zips and torch.save files) and ``raw`` segments (everything else: zip headers,
+``.metadata``, JSON headers, pickles). Segments are cut into chunks of at most
+``CHUNK_SIZE`` bytes (a whole number of elements), encoded on a thread pool (at most
+2 x workers chunks in flight) by :mod:`ckptctl.formats.packcodec`, appended to data files
+of at most 256 MiB, and committed like every writer (``.ckptctl-writing`` first, index,
+then the pack's manifest last). With a base, a tensor segment whose logical tensor (same
+name, chunk box, dtype and byte length) exists in the base is stored against the base's
+bytes (``same``: nothing; else ``xor``).
+
+``unpack`` writes every original file back, checking each against the source manifest's
+hash while writing, and the source's manifest last: the restored checkpoint has the
+source's id.
+
+>>> import json, pathlib, struct, tempfile
+>>> d = pathlib.Path(tempfile.mkdtemp()); (d / "ck").mkdir()
+>>> hdr = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+>>> _ = (d / "ck" / "model.safetensors").write_bytes(
+...     struct.pack("<Q", len(hdr)) + hdr + bytes(range(16)))
+>>> r = pack(str(d / "ck"), str(d / "p"), workers=1)   # seals ck first
+>>> r.chunks, r.sealed_source   # the JSON header and the manifest: zstd; the tensor: planes
+({'planes': 1, 'zstd': 2}, True)
+>>> unpack(str(d / "p"), str(d / "out")).manifest_id == r.source_id
+True
+
+Read in place, a pack is its checkpoint's files (:func:`~ckptctl.formats.pack.pack_view`):
+
+>>> from ckptctl.formats.detect import locate
+>>> from ckptctl.formats.pack import pack_view
+>>> ps, files, _ = pack_view(locate(str(d / "p")))
+>>> sorted(files), list(ps.read_range("model.safetensors", 8 + len(hdr), 8 + len(hdr) + 4))
+(['ckptctl.manifest.json', 'model.safetensors'], [0, 1, 2, 3])
+"""
+from __future__ import annotations
+
+import collections
+import datetime as dt
+import os
+import posixpath
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+from .. import __version__
+from ..errors import CkptError, Finding, FormatError, UsageError
+from ..formats.manifest import MANIFEST, FileEntry, Manifest
+from ..formats.pack import (DATA_FILE_SIZE, MAX_DEPTH, PACK_INDEX, ChunkRef, PackIndex,
+                            PackStore, Segment, data_name, is_pack, open_pack, relative_url)
+from ..storage import new_hasher, open_store
+from .commit import commit
+from .output import OutputDir
+
+#: Files a reader looks for first: restored after every data file.
+COMMIT_MARKERS = (".metadata", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+@dataclass
+class PackResult:
+    """What ``pack`` did. ``ratio`` = source bytes / pack bytes; ``full_reason`` says
+    why a base was given but not used (the chain would grow past ``--max-chain``)."""
+
+    src: str
+    dst: str
+    source_id: str
+    pack_id: str
+    base: str | None
+    depth: int
+    bytes_in: int
+    bytes_out: int
+    ratio: float
+    chunks: dict[str, int]
+    num_files: int
+    data_files: int
+    seconds: float
+    sealed_source: bool = False
+    full_reason: str | None = None
+    tensor_segments: int = 0
+    base_segments: int = 0
+
+    @property
+    def rate(self) -> float:
+        """Source bytes per second."""
+        return self.bytes_in / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mb_per_s"] = round(self.rate / 1e6, 2)
+        return d
+
+
+@dataclass
+class UnpackResult:
+    """What ``unpack`` restored: ``manifest_id`` is the source checkpoint's id."""
+
+    src: str
+    dst: str
+    manifest_id: str
+    base: str | None
+    depth: int
+    bytes: int
+    num_files: int
+    chunks: dict[str, int] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.bytes / self.seconds if self.seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["mb_per_s"] = round(self.rate / 1e6, 2)
+        return d
+
+
+# --------------------------------------------------------------------------- segmenting
+
+
+def _torch_records(store, rel: str, size: int) -> list[tuple[int, int, int, tuple]]:
+    """(offset, length, itemsize, key) of every storage record of a torch.save zip, read
+    without torch: the zip directory, then ``data.pkl`` for each storage's dtype (a
+    storage whose dtype cannot be told is packed with itemsize 1)."""
+    from ..formats.torchzip import TAIL_GUESS, central_directory, local_data_offset
+
+    if size < 22 or store.read_range(rel, 0, 4) != b"PK\x03\x04":
+        return []  # legacy (non-zip) torch.save: one raw segment
+    where = store.display(rel)
+    try:
+        tail = store.read_range(rel, max(0, size - TAIL_GUESS), size)
+        entries, need = central_directory(tail, size, where=where)
+        if need:
+            entries, _ = central_directory(store.read_range(rel, size - need, size), size,
+                                           where=where)
+    except CkptError:
+        return []
+    dtypes = _storage_dtypes(store, rel, entries, where)
+    out = []
+    for en in entries:
+        parts = en.name.split("/")
+        if len(parts) < 3 or parts[-2] != "data" or en.method != 0 or en.usize == 0:
+            continue
+        try:
+            hdr = store.read_range(rel, en.header_offset, en.header_offset + 30 + 1024)
+            off = local_data_offset(hdr, en, where=where)
+        except CkptError:
+            continue
+        if off + en.usize > size:
+            continue
+        itemsize = _itemsize(dtypes.get(parts[-1]))
+        if en.usize % itemsize:
+            itemsize = 1
+        out.append((off, en.usize, itemsize, ("torch", rel, parts[-1], dtypes.get(parts[-1]),
+                                              en.usize)))
+    return out
+
+
+def _itemsize(dtype: str | None) -> int:
+    from ..model import DTYPES
+
+    d = DTYPES.get(dtype or "")
+    return d.itemsize if d is not None and d.bits % 8 == 0 and d.itemsize in (1, 2, 4, 8) \
+        else 1
+
+
+def _storage_dtypes(store, rel: str, entries, where: str) -> dict[str, str]:
+    """Storage key -> dtype, from the persistent ids in a torch.save ``data.pkl`` (never
+    running code: an allow-list unpickler; what it refuses leaves the keys seen so far)."""
+    from ..formats.torchzip import local_data_offset, storage_dtypes
+
+    pkl = [e for e in entries if e.name.endswith("/data.pkl") and e.method == 0]
+    if len(pkl) != 1 or pkl[0].usize > 64 << 20:
+        return {}
+    e = pkl[0]
+    try:
+        hdr = store.read_range(rel, e.header_offset, e.header_offset + 30 + 1024)
+        off = local_data_offset(hdr, e, where=where)
+        data = store.read_range(rel, off, off + e.usize)
+    except CkptError:
+        return {}
+    return storage_dtypes(data, where=where)
+
+
+def tensor_spans(ck, store, files: dict[str, int]) -> dict[str, list[tuple[int, int, int, tuple]]]:
+    """Per file, the byte spans that hold tensor elements: (offset, length, itemsize, key),
+    sorted, without overlaps. ``key`` identifies the logical tensor chunk (name, box,
+    dtype, length) so a base's bytes for it can be found.
+
+    >>> from ckptctl.formats.detect import open_checkpoint         # doctest: +SKIP
+    >>> tensor_spans(ck := open_checkpoint("hf/"), ck.store, ck.files)["model.safetensors"][0]  # doctest: +SKIP
+    (104, 16, 4, ('w', (0,), (4,), 'float32', 16))
+    """
+    from ..formats.tensorio import locate_payload
+
+    spans: dict[str, list] = collections.defaultdict(list)
+    torch_files = set()
+    for t in ck.tensors.values():
+        for c in t.chunks:
+            e = c.extent
+            if e.encoding == "torch_save":
+                torch_files.add(e.file)
+                continue
+            if e.encoding == "raw":
+                off, n = e.offset, e.length
+            elif e.encoding == "torch_zip":
+                try:
+                    p = locate_payload(ck, e)
+                except CkptError:
+                    continue
+                off, n = p.offset, p.length
+            else:  # compressed already (DCP stream.zstd): raw bytes
+                continue
+            if n <= 0 or e.file not in files or off + n > files[e.file]:
+                continue
+            k = t.dtype.itemsize if t.dtype.bits % 8 == 0 else 1
+            if n % k or k not in (1, 2, 4, 8):
+                k = 1
+            spans[e.file].append((off, n, k, (t.name, tuple(c.offsets), tuple(c.sizes),
+                                              t.dtype.name, n)))
+    for o in ck.objects.values():
+        if o.extent is not None and o.extent.encoding == "torch_save":
+            torch_files.add(o.extent.file)
+    for rel in sorted(torch_files):
+        if rel in files:
+            spans[rel].extend(_torch_records(store, rel, files[rel]))
+    out = {}
+    for rel, lst in spans.items():
+        lst.sort(key=lambda s: (s[0], -s[1]))
+        kept, end = [], 0
+        for s in lst:
+            if s[0] >= end:  # a second name on the same bytes (an alias) is stored once
+                kept.append(s)
+                end = s[0] + s[1]
+        out[rel] = kept
+    return out
+
+
+def _plan_file(rel: str, size: int, spans: list, chunk: int,
+               base_map: dict | None) -> list[tuple[Segment, list[int]]]:
+    """Segments tiling ``[0, size)``, each with its chunk sizes (no refs yet)."""
+    segs = []
+    pos = 0
+
+    def add(kind, off, n, k, base):
+        sizes = []
+        step = max(k, chunk - chunk % k)
+        left = n
+        while left:
+            sizes.append(min(step, left))
+            left -= sizes[-1]
+        segs.append((Segment(kind, off, n, k, base, []), sizes))
+
+    for off, n, k, key in spans:
+        if off > pos:
+            add("raw", pos, off - pos, 1, None)
+        base = base_map.get(key) if base_map else None
+        add("tensor", off, n, k, base)
+        pos = off + n
+    if pos < size:
+        add("raw", pos, size - pos, 1, None)
+    return segs
+
+
+# --------------------------------------------------------------------------- sources
+
+
+def _source(src: str, options: dict | None, workers: int):
+    """(store, files, manifest, sealed by us) of a committed source checkpoint."""
+    from ..formats.detect import locate
+    from ..formats.pack import pack_view
+
+    store, files, single = pack_view(locate(src, options), options)
+    if single:
+        raise UsageError("pack takes a checkpoint folder (a lone file has no place for its "
+                         "manifest); put the file in its own folder", src)
+    sealed = False
+    if MANIFEST not in files:
+        from .seal import seal
+
+        seal(src, options, workers=workers)  # refuses an incomplete source (exit 1)
+        sealed = True
+        store, files, _ = pack_view(locate(src, options), options)
+    man = Manifest.parse(store.read(MANIFEST), store.display(MANIFEST))
+    for rel, rec in man.files.items():
+        if files.get(rel) != rec.size:
+            what = "missing" if rel not in files else f"{files[rel]} bytes, manifest says {rec.size}"
+            raise Finding(store.display(rel), f"source does not match its manifest ({what}); "
+                          "run `ckptctl verify` on it",
+                          code="MISSING_FILE" if rel not in files else "SIZE_MISMATCH")
+    return store, files, man, sealed
+
+
+def _open_base(base: str, options: dict | None):
+    """(store, files, checkpoint, id, depth) of a sealed base (a pack works too)."""
+    from ..formats.detect import locate, open_checkpoint
+    from ..formats.pack import pack_view
+
+    located = pack_view(locate(base, options), options)
+    store, files, single = located
+    man = None if single else Manifest.read(store, files)
+    if man is None:
+        raise UsageError(f"--base must be a sealed checkpoint folder (run `ckptctl seal "
+                         f"{base}` first)", base)
+    ck = open_checkpoint(base, options, read_step=False, located=located)
+    depth = (store.index.depth + 1) if isinstance(store, PackStore) else 1
+    return store, files, ck, man.checkpoint_id, depth
+
+
+# --------------------------------------------------------------------------- pack
+
+
+def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
+         workers: int | None = None, max_chain: int = 8, force: bool = False,
+         storage_options: dict | None = None, dst_storage_options: dict | None = None,
+         base_storage_options: dict | None = None,
+         on_bytes: Callable[[int], None] | None = None,
+         on_total: Callable[[int], None] | None = None) -> PackResult:
+    """Write checkpoint ``src`` as a pack at ``dst`` (see the module docstring).
+
+    An unsealed but complete source is sealed first (an incomplete one is refused,
+    exit 1); every source file is hashed on the way and must match its manifest.
+    ``base``: a sealed earlier checkpoint (or pack) to delta-encode against; when the
+    chain of bases would grow past ``max_chain`` a full pack is written instead
+    (``full_reason`` says so).
+
+    >>> pack("ckpt/step-200", "packs/step-200", level=3).ratio        # doctest: +SKIP
+    1.43
+    """
+    from ..formats import packcodec
+    from ..formats.detect import open_checkpoint
+
+    t0 = time.monotonic()
+    workers = max(1, workers or os.cpu_count() or 1)
+    if not 1 <= level <= 22:
+        raise UsageError(f"--level must be 1..22, got {level}")
+    if not 0 <= max_chain <= MAX_DEPTH:
+        raise UsageError(f"--max-chain must be 0..{MAX_DEPTH}, got {max_chain}")
+    store, files, man, sealed = _source(src, storage_options, workers)
+    store.cache_small_files(files)  # remote: one GET per small file (no effect locally)
+    ck = open_checkpoint(src, storage_options, read_step=False, located=(store, files, None))
+    base_map = base_store = None
+    base_info = full_reason = None
+    depth = 0
+    if base is not None:
+        bstore, bfiles, bck, bid, bdepth = _open_base(base, base_storage_options
+                                                      if base_storage_options is not None
+                                                      else storage_options)
+        if bdepth > max_chain:
+            full_reason = (f"base chain would be {bdepth} deep, past --max-chain {max_chain}: "
+                           "wrote a full pack")
+        else:
+            depth = bdepth
+            base_store = bstore
+            base_store.cache_small_files(bfiles)
+            base_map = {}
+            for rel, lst in tensor_spans(bck, bstore, bfiles).items():
+                for off, n, _, key in lst:
+                    base_map.setdefault(key, (rel, off))
+            base_info = {"id": bid, "depth": bdepth, "url": relative_url(dst, base)}
+    names = sorted(man.files) + [MANIFEST]
+    sizes = {rel: man.files[rel].size for rel in man.files}
+    sizes[MANIFEST] = files[MANIFEST]
+    spans = tensor_spans(ck, store, sizes)
+    chunk = packcodec.CHUNK_SIZE
+    plans = {rel: _plan_file(rel, sizes[rel], spans.get(rel, []) if rel != MANIFEST else [],
+                             chunk, base_map) for rel in names}
+    if on_total:
+        on_total(sum(sizes.values()))
+    dstore = open_store(dst, dst_storage_options)
+    with OutputDir(dstore, command="pack", force=force, source=store.url) as out:
+        written = _encode_all(store, names, plans, man, base_store, out, level, workers,
+                              on_bytes, packcodec)
+        data_hashes, chunks = written
+        idx = PackIndex.build(
+            _source_doc(store), man.id, chunk,
+            {rel: (sizes[rel], [s for s, _ in plans[rel]]) for rel in names}, base_info)
+        blob = idx.to_bytes()
+        out.write_atomic(PACK_INDEX, blob)
+        from ..storage import digest_bytes
+
+        hashes = dict(data_hashes)
+        hashes[PACK_INDEX] = (digest_bytes(blob, "xxh3-128"), len(blob))
+        bytes_out = sum(n for _, n in hashes.values())
+        bytes_in = sum(sizes.values())
+        summary = dict(man.summary)
+        summary.update({"pack_bytes": bytes_out, "source_bytes": bytes_in})
+        pman = Manifest(files={rel: FileEntry(n, h) for rel, (h, n) in sorted(hashes.items())},
+                        hash="xxh3-128", format="pack", step=man.step, tags=list(man.tags),
+                        created=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                        summary=summary, tool=f"ckptctl {__version__}",
+                        base=base_info["id"] if base_info else None,
+                        extra={"packs": man.id})
+        out.commit()
+        pack_id = commit(dstore, pman)
+    tensors = sum(1 for p in plans.values() for s, _ in p if s.kind == "tensor")
+    based = sum(1 for p in plans.values() for s, _ in p if s.base is not None)
+    return PackResult(store.url, dstore.url, man.id, pack_id,
+                      base_info["id"] if base_info else None, depth, bytes_in,
+                      bytes_out + len(pman.to_bytes()),
+                      round(bytes_in / (bytes_out + len(pman.to_bytes())), 4),
+                      dict(sorted(chunks.items())), len(names),
+                      sum(1 for r in hashes if r != PACK_INDEX), time.monotonic() - t0,
+                      sealed, full_reason, tensors, based)
+
+
+def _source_doc(store) -> dict:
+    import json
+
+    return json.loads(store.read(MANIFEST))
+
+
+def _encode_all(store, names, plans, man: Manifest, base_store, out: OutputDir, level: int,
+                workers: int, on_bytes, codec):
+    """Encode every chunk (a thread pool, at most 2 x workers batches in flight), append
+    the payloads to data files in order and fill in the segments' chunk refs; hash every
+    source file on the way against the source manifest. Returns ({data file: (hash,
+    size)}, chunks by mode)."""
+    jobs = []
+    for rel in names:
+        for seg, sizes in plans[rel]:
+            pos = 0
+            for n in sizes:
+                jobs.append((rel, seg, pos, n))
+                pos += n
+    last_of = {}
+    for i, (rel, _, _, _) in enumerate(jobs):
+        last_of[rel] = i
+    empty = [rel for rel in names if rel not in last_of]
+    # consecutive small chunks of one file are read in one request (a DCP file is mostly
+    # small segments: on S3 requests cost more than bytes)
+    batches: list[list[int]] = []
+    for i, (rel, seg, pos, n) in enumerate(jobs):
+        if batches:
+            prev = batches[-1]
+            prel, pseg, ppos, pn = jobs[prev[-1]]
+            start = jobs[prev[0]][1].offset + jobs[prev[0]][2]
+            if prel == rel and pseg.offset + ppos + pn == seg.offset + pos \
+                    and seg.offset + pos + n - start <= codec.CHUNK_SIZE:
+                prev.append(i)
+                continue
+        batches.append([i])
+
+    def encode_batch(batch):
+        rel, seg0, pos0, _ = jobs[batch[0]]
+        start = seg0.offset + pos0
+        _, lseg, lpos, ln = jobs[batch[-1]]
+        end = lseg.offset + lpos + ln
+        blob = store.read_range(rel, start, end)
+        if len(blob) != end - start:
+            raise FormatError(store.display(rel), f"file ends before byte {end} (changed "
+                              "while packing?)", code="SIZE_MISMATCH")
+        mv = memoryview(blob)
+        res = []
+        for i in batch:
+            _, seg, pos, n = jobs[i]
+            data = mv[seg.offset + pos - start:seg.offset + pos - start + n]
+            b = None
+            if seg.base is not None:
+                bfile, boff = seg.base
+                b = base_store.read_range(bfile, boff + pos, boff + pos + n)
+                if len(b) != n:
+                    raise FormatError(base_store.display(bfile), "base file is shorter than "
+                                      "its metadata says", code="SIZE_MISMATCH")
+            mode, payload = codec.encode(data, itemsize=seg.itemsize, base=b, level=level)
+            res.append((data, mode, payload, codec.check(data)))
+        return res
+
+    hashes: dict[str, tuple[str, int]] = {}
+    chunks: dict[str, int] = {}
+    state = {"n": 0, "f": None, "h": None, "size": 0, "file_h": None}
+
+    def roll():
+        if state["f"] is not None:
+            state["f"].close()
+            hashes[data_name(state["n"])] = (state["h"].hexdigest(), state["size"])
+            state["n"] += 1
+        state["f"] = out.open(data_name(state["n"]))
+        state["h"] = new_hasher("xxh3-128")
+        state["size"] = 0
+
+    def check_source(rel, h):
+        want = man.files[rel].hash if rel in man.files else None
+        if want is not None and h.hexdigest() != want:
+            raise Finding(store.display(rel), f"content hash differs from the source manifest "
+                          f"({man.hash}); the source is damaged (run `ckptctl verify`)",
+                          code="HASH_MISMATCH")
+
+    def consume(i, data, mode, payload, chk):
+        rel, seg, pos, n = jobs[i]
+        if state["file_h"] is None:
+            state["file_h"] = new_hasher(man.hash)
+        state["file_h"].update(data)
+        if state["size"] and state["size"] + len(payload) > DATA_FILE_SIZE:
+            roll()
+        seg.chunks.append(ChunkRef(data_name(state["n"]), state["size"], len(payload),
+                                   mode, n, chk))
+        if payload:
+            state["f"].write(payload)
+            state["h"].update(payload)
+            state["size"] += len(payload)
+        chunks[mode] = chunks.get(mode, 0) + 1
+        if on_bytes:
+            on_bytes(n)
+        if last_of[rel] == i:
+            check_source(rel, state["file_h"])
+            state["file_h"] = None
+
+    for rel in empty:
+        check_source(rel, new_hasher(man.hash))
+    roll()
+    ahead: collections.deque = collections.deque()
+    with ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-pack") as pool:
+        it = iter(batches)
+        try:
+            while True:
+                while len(ahead) < 2 * workers:
+                    nxt = next(it, None)
+                    if nxt is None:
+                        break
+                    ahead.append((nxt, pool.submit(encode_batch, nxt)))
+                if not ahead:
+                    break
+                batch, fut = ahead.popleft()
+                for i, res in zip(batch, fut.result()):
+                    consume(i, *res)
+        except BaseException:
+            for _, f in ahead:
+                f.cancel()
+            raise
+    state["f"].close()
+    hashes[data_name(state["n"])] = (state["h"].hexdigest(), state["size"])
+    return hashes, chunks
+
+
+# --------------------------------------------------------------------------- unpack
+
+
+def _order(names: list[str], sizes: dict[str, int]) -> list[str]:
+    data = sorted((n for n in names if posixpath.basename(n) not in COMMIT_MARKERS),
+                  key=lambda n: (-sizes[n], n))
+    return data + sorted(n for n in names if posixpath.basename(n) in COMMIT_MARKERS)
+
+
+def open_pack_url(url: str, storage_options: dict | None = None, *, base: str | None = None,
+                  base_storage_options: dict | None = None,
+                  workers: int | None = None) -> PackStore:
+    """The pack at ``url`` as a :class:`~ckptctl.formats.pack.PackStore` (``base``: the
+    base's URL, for a delta pack whose recorded base is elsewhere); a folder that is no
+    pack is a usage error.
+
+    >>> open_pack_url("packs/step-2000").index.depth                  # doctest: +SKIP
+    1
+    """
+    raw = open_store(url, storage_options)
+    files = raw.list_files()
+    if not files:
+        from ..errors import NotFoundError
+
+        if not raw.exists():
+            raise NotFoundError(url, "no such file or directory")
+        raise UsageError("not a pack (empty)", url)
+    if not is_pack(files):
+        raise UsageError(f"not a pack (no {PACK_INDEX}); use `ckptctl promote` to copy a "
+                         "plain checkpoint", url)
+    return open_pack(raw, files, base=base, workers=workers,
+                     storage_options=base_storage_options if base_storage_options is not None
+                     else storage_options)
+
+
+def unpack(pack_url: str, dst: str, *, base: str | None = None, workers: int | None = None,
+           force: bool = False, storage_options: dict | None = None,
+           dst_storage_options: dict | None = None, base_storage_options: dict | None = None,
+           on_bytes: Callable[[int], None] | None = None,
+           on_total: Callable[[int], None] | None = None) -> UnpackResult:
+    """Restore the checkpoint a pack holds at ``dst``, byte for byte.
+
+    Every file is checked against the source manifest's hash as it is written; the
+    source's manifest (its own bytes) is written last, so the restored checkpoint has the
+    source's id. A corrupt chunk stops the run naming the chunk, and whatever was
+    written is removed (``.ckptctl-writing`` marks DST meanwhile).
+
+    >>> unpack("packs/step-200", "restore/step-200").manifest_id      # doctest: +SKIP
+    'xxh3-128:...'
+    """
+    from .commit import commit as commit_manifest
+
+    t0 = time.monotonic()
+    workers = max(1, workers or os.cpu_count() or 1)
+    ps = open_pack_url(pack_url, storage_options, base=base,
+                       base_storage_options=base_storage_options, workers=workers)
+    idx = ps.index
+    raw_man = ps.read(MANIFEST)
+    man = Manifest.parse(raw_man, ps.display(MANIFEST))
+    if man.id != idx.source_id:
+        raise FormatError(ps.display(MANIFEST), f"restored manifest is checkpoint {man.id}, the "
+                          f"pack says {idx.source_id}", code="MANIFEST_MISMATCH")
+    names = _order(list(man.files), {r: f.size for r, f in man.files.items()})
+    if on_total:
+        on_total(man.total_bytes)
+    dstore = open_store(dst, dst_storage_options)
+
+    par = max(1, min(workers, 4))  # files at once; each decodes a few chunks ahead
+    ahead = max(2, (2 * workers) // par)
+
+    def one(rel):
+        h = new_hasher(man.hash)
+        with out.open(rel) as f:
+            for b in ps.iter_blocks(rel, on_bytes=on_bytes, ahead=ahead):
+                f.write(b)
+                h.update(b)
+        if h.hexdigest() != man.files[rel].hash:
+            raise Finding(ps.display(rel), f"restored bytes differ from the source manifest's "
+                          f"hash ({man.hash})", code="HASH_MISMATCH")
+
+    try:
+        with OutputDir(dstore, command="unpack", force=force, source=ps.url) as out:
+            data = [n for n in names if posixpath.basename(n) not in COMMIT_MARKERS]
+            out.map(one, data, par)
+            for rel in names[len(data):]:
+                one(rel)
+            out.commit()
+            mid = commit_manifest(dstore, man, data=raw_man)
+    finally:
+        ps.close()
+    return UnpackResult(ps.url, dstore.url, mid, idx.base["id"] if idx.base else None,
+                        idx.depth, man.total_bytes + len(raw_man), len(names) + 1, idx.modes(),
+                        time.monotonic() - t0)
