@@ -203,3 +203,65 @@ def test_tier_names_stand_for_urls(tmp_path, monkeypatch):
     assert code == 0, err
     assert json.loads(out)["dst"] == str(warm / "step-7")
     assert tree(warm / "step-7") == tree(hot / "step-7")
+
+
+def two_steps(root: Path) -> tuple[Path, Path]:
+    """step-1 and step-2 of one run: half the tensors unchanged, half nudged."""
+    import torch
+
+    from conftest import dcp_save
+
+    g = torch.Generator().manual_seed(3)
+    w = {f"layer{i}": torch.randn(64, 256, generator=g) for i in range(4)}
+    dcp_save(root / "step-1", {"model": w, "step": 1})
+    w2 = {k: (v + 1e-3 * torch.randn(v.shape, generator=g) if i % 2 else v)
+          for i, (k, v) in enumerate(w.items())}
+    dcp_save(root / "step-2", {"model": w2, "step": 2})
+    return root / "step-1", root / "step-2"
+
+
+def test_pack_on_the_way_and_unpack_back(tmp_path):
+    s1, s2 = two_steps(tmp_path / "hot")
+    cold = tmp_path / "cold"
+    r1 = promote(str(s1), str(cold / "step-1"), pack=True)
+    assert r1.action == "packed" and r1.pack["base"] is None  # nothing beside it yet
+    r2 = promote(str(s2), str(cold / "step-2"), pack=True)  # base auto: cold/step-1
+    assert r2.action == "packed" and r2.pack["depth"] == 1, r2.pack
+    assert r2.pack["base_url"].endswith("step-1") and r2.bytes_sent < r1.bytes_sent
+    assert verify(str(cold / "step-2"), level="full").ok
+    again = promote(str(s2), str(cold / "step-2"), pack=True)
+    assert again.action == "up-to-date"
+    back = tmp_path / "restore" / "step-2"
+    r3 = promote(str(cold / "step-2"), str(back), pack=False)
+    assert r3.action == "unpacked" and r3.manifest_id == r2.manifest_id
+    assert tree(back) == tree(s2)
+
+
+def test_a_pack_tier_packs_and_a_plain_tier_unpacks(tmp_path, monkeypatch):
+    s1, s2 = two_steps(tmp_path / "hot")
+    (tmp_path / "ckptctl.toml").write_text(
+        f'[[tier]]\nname = "hot"\nurl = "{tmp_path / "hot"}"\n\n'
+        f'[[tier]]\nname = "cold"\nurl = "{tmp_path / "cold"}"\npack = true\n\n'
+        f'[[tier]]\nname = "back"\nurl = "{tmp_path / "back"}"\n')
+    monkeypatch.chdir(tmp_path)
+    for name in ("step-1", "step-2"):
+        code, out, err = run_cli("promote", f"hot:{name}", "cold:", "--json")
+        assert code == 0, err
+        assert json.loads(out)["action"] == "packed"
+    code, out, err = run_cli("ls", "cold:", "--json")
+    assert [c["state"] for c in json.loads(out)["checkpoints"]] == ["sealed", "sealed"], out
+    code, out, err = run_cli("promote", "cold:step-2", "back:")
+    assert code == 0 and "unpacked" in out, err
+    assert tree(tmp_path / "back" / "step-2") == tree(s2)
+
+
+def test_pack_to_s3_with_auto_base(tmp_path, s3_bucket):
+    s1, s2 = two_steps(tmp_path / "hot")
+    opts = s3_bucket.storage_options
+    promote(str(s1), s3_bucket.url("cold/step-1"), None, opts, pack=True)
+    r = promote(str(s2), s3_bucket.url("cold/step-2"), None, opts, pack=True)
+    assert r.pack["depth"] == 1 and r.pack["base_url"] == s3_bucket.url("cold/step-1")
+    assert verify(s3_bucket.url("cold/step-2"), opts, level="full").ok
+    back = tmp_path / "back"
+    promote(s3_bucket.url("cold/step-2"), str(back), opts, None, pack=False)
+    assert tree(back) == tree(s2)

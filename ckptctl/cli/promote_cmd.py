@@ -30,6 +30,14 @@ def promote(
         "(its manifest and .metadata first)."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Say what a run would send (after "
                                  "a crash: what is left to send), write nothing."),
+    pack: Optional[bool] = typer.Option(
+        None, "--pack/--unpack", help="Store DST as a compressed delta pack (--pack) or as a "
+        "plain checkpoint (--unpack: restores a pack). Default: DST tier's `pack` setting, "
+        "else SRC's form."),
+    base: str = typer.Option("auto", "--base", metavar="auto|URL|none",
+                             help="--pack: delta-encode against this checkpoint; auto: the "
+                                  "newest committed one already beside DST; none: a full pack."),
+    level: int = typer.Option(3, "--level", min=1, max=22, help="--pack: compression level."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
@@ -62,10 +70,17 @@ def promote(
     if d.tier is not None and dst.rstrip().endswith(":"):  # TIER: -> under it, by SRC's name
         dst_url = d.url.rstrip("/") + "/" + s.url.rstrip("/").rsplit("/", 1)[-1]
     rate = bwlimit if bwlimit is not None else (d.tier.bwlimit if d.tier else None)
+    if pack is None and d.tier is not None:
+        pack = d.tier.pack
+    base_url = None if base == "none" else base
+    if base_url not in (None, "auto"):
+        base_url = resolve_place(ctx, base_url, storage_option, dst_option,
+                                 own_flag="--dst-option").url
     with byte_progress("promote", enabled=not (json or quiet or dry_run)) as bar:
         r = do_promote(s.url, dst_url, s.storage_options, d.storage_options, bwlimit=rate,
                        workers=workers, part_size=parse_size(part_size),
-                       delete_source=delete_source, dry_run=dry_run, on_bytes=bar,
+                       delete_source=delete_source, dry_run=dry_run, pack=pack,
+                       base=base_url, level=level, on_bytes=bar,
                        on_total=bar and bar.total)
     if json:
         emit_json(r.to_dict())
@@ -78,6 +93,17 @@ def promote(
             + seal_note, quiet=quiet)
         for rel in r.to_send:
             say(f"  {rel}", quiet=quiet)
+        return
+    if r.action in ("packed", "unpacked"):
+        p = r.pack or {}
+        how = (f"packed {p.get('ratio', 0):.2f}x" + (f" against {p['base_url']} (chain depth "
+               f"{p['depth']})" if p.get("base") else ", full")) if r.action == "packed" \
+            else "unpacked"
+        say(f"{r.dst}: {plural(r.num_files, 'file')}, {human_bytes(r.bytes)}; {how}; wrote "
+            f"{human_bytes(r.bytes_sent)} ({r.seconds:.2f}s)"
+            + (f"; {p['full_reason']}" if p.get("full_reason") else "")
+            + ("; source removed" if r.deleted_source else ""), quiet=quiet)
+        say(f"id {r.manifest_id}", quiet=quiet)
         return
     if r.action == "up-to-date":
         say(f"{r.dst}: already committed with the same content (id {r.manifest_id})"

@@ -75,6 +75,8 @@ class PromoteResult:
     bytes_to_send: int = 0
     #: requests made, per side, as counted by the stores
     requests: dict = field(default_factory=dict)
+    #: ``--pack``: the base used (its id and URL), chain depth, ratio; None otherwise
+    pack: dict | None = None
 
     @property
     def rate(self) -> float:
@@ -235,6 +237,7 @@ def promote(src: str, dst: str, src_options: dict | None = None,
             dst_options: dict | None = None, *, bwlimit: str | float | None = None,
             workers: int = 4, part_size: int = DEFAULT_PART_SIZE, delete_source: bool = False,
             dry_run: bool = False, limiter: RateLimiter | None = None,
+            pack: bool | None = None, base: str | None = "auto", level: int = 3,
             on_bytes: Callable[[int], None] | None = None,
             on_total: Callable[[int], None] | None = None) -> PromoteResult:
     """Copy the checkpoint at ``src`` to ``dst`` (see the module docstring).
@@ -243,6 +246,13 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     ``workers`` files or parts are sent at once, parts of ``part_size`` bytes.
     Raises :class:`~ckptctl.errors.Finding` (exit 1) for an incomplete source, a source
     that no longer matches its manifest, or a destination that holds something else.
+
+    ``pack``: True stores a plain source as a pack at ``dst`` (:func:`~.pack.pack`,
+    against ``base``: ``"auto"`` is the newest committed checkpoint already beside
+    ``dst``, None a full pack); False restores a pack source as a plain checkpoint
+    (:func:`~.pack.unpack`); None (default) keeps the source's form. Packing and
+    unpacking run through the pack writer: not rate-limited, and a rerun after a crash
+    starts that checkpoint afresh.
 
     >>> promote("hot/step-200", "warm/step-200", dry_run=True).to_send   # doctest: +SKIP
     ['__0_0.distcp', '__1_0.distcp', '.metadata']
@@ -258,6 +268,13 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     if delete_source and PIN_FILE in sfiles:  # said before a byte moves, not after
         raise Finding(sstore.url, "source is pinned; `ckptctl unpin` it or drop "
                       "--delete-source", code="FINDING")
+    from ..formats.pack import is_pack
+
+    if pack is not None and man is not None and pack != is_pack(sfiles):
+        return _convert(src, dst, src_options, dst_options, pack=pack, base=base,
+                        level=level, workers=workers, delete_source=delete_source,
+                        dry_run=dry_run, sealed=sealed, man=man, sstore=sstore, sfiles=sfiles,
+                        on_bytes=on_bytes, on_total=on_total, t0=t0)
     if man is None:  # dry run of an unsealed source: what sealing would list
         from ..formats.manifest import is_temp_name
 
@@ -334,6 +351,84 @@ def _finish(result: PromoteResult, sstore: Store, sfiles: dict[str, int], d: "_D
     result.requests = {"source": _requests(sstore), "destination": _requests(d.work)}
     result.seconds = round(time.monotonic() - t0, 3)
     return result
+
+
+def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, level: int,
+             workers: int, delete_source: bool, dry_run: bool, sealed: bool, man: Manifest,
+             sstore: Store, sfiles: dict[str, int], on_bytes, on_total,
+             t0: float) -> PromoteResult:
+    """``promote --pack`` of a plain source, or ``--unpack`` of a pack: the pack writer
+    or reader does the copy; the same rails as a plain promote around it."""
+    from ..formats.pack import is_pack
+    from .pack import pack as do_pack
+    from .pack import unpack as do_unpack
+
+    want = man.checkpoint_id  # a pack restores its source; plain: the manifest's own id
+    final = open_store(dst, dst_options)
+    if _overlaps(sstore, final):
+        raise UsageError(f"destination {final.url} overlaps the source {sstore.url}")
+    result = PromoteResult(sstore.url, final.url, "packed" if pack else "unpacked", want,
+                           sealed, len(man.files), man.total_bytes)
+    present = final.list_files() if final.exists() else {}
+    force = False
+    if MANIFEST in present:
+        there = Manifest.parse(final.read(MANIFEST), final.display(MANIFEST))
+        if there.checkpoint_id == want and is_pack(present) == pack \
+                and WRITING_MARKER not in present:
+            result.action = "up-to-date"
+            if delete_source and not dry_run:
+                result.deleted_source = _delete_source(sstore, sfiles)
+            result.seconds = round(time.monotonic() - t0, 3)
+            return result
+        raise Finding(final.url, f"destination holds another checkpoint ({there.checkpoint_id}); "
+                      "remove it first (`ckptctl rm`) or choose another place",
+                      code="ALREADY_EXISTS")
+    if present:
+        if WRITING_MARKER not in present:
+            raise Finding(final.url, "destination is not empty and holds no checkpoint of "
+                          "ckptctl's; remove it first or choose another place",
+                          code="ALREADY_EXISTS")
+        force = True  # what a killed pack or unpack left: started afresh
+    if pack and base == "auto":
+        base = _newest_beside(final, dst, dst_options)
+    result.pack = {"base": base}
+    if dry_run:
+        result.action = "dry-run"
+        result.to_send = sorted(man.files)
+        result.bytes_to_send = man.total_bytes
+        result.seconds = round(time.monotonic() - t0, 3)
+        return result
+    if pack:
+        r = do_pack(src, dst, base=base, level=level, workers=workers, force=force,
+                    storage_options=src_options, dst_storage_options=dst_options,
+                    base_storage_options=dst_options, on_bytes=on_bytes, on_total=on_total)
+        result.bytes_sent = r.bytes_out
+        result.pack = {"base": r.base, "base_url": base if r.base else None, "depth": r.depth,
+                       "ratio": r.ratio, "full_reason": r.full_reason}
+    else:
+        r = do_unpack(src, dst, workers=workers, force=force, storage_options=src_options,
+                      dst_storage_options=dst_options, on_bytes=on_bytes, on_total=on_total)
+        result.bytes_sent = r.bytes
+    result.files_sent = r.num_files
+    result.num_files = r.num_files
+    return _finish(result, sstore, sfiles, _Destination(dst, dst_options, man, want),
+                   delete_source, t0)
+
+
+def _newest_beside(final: Store, dst: str, options: dict | None) -> str | None:
+    """``--base auto``: the newest committed checkpoint in the folder that will hold
+    ``dst`` (a pack or not), or None (a full pack)."""
+    from .latest import latest
+
+    parent = dst.rstrip("/").rsplit("/", 1)[0] if "/" in dst.rstrip("/") else "."
+    if not final.is_local and parent.endswith(":/"):
+        return None  # a bucket root has no parent folder to look in
+    try:
+        found = latest(parent, options)
+    except CkptError:  # nothing there yet, or not a place that lists
+        return None
+    url = getattr(found, "url", None)
+    return url if url and url.rstrip("/") != final.url.rstrip("/") else None
 
 
 def _requests(store: Store) -> dict:
