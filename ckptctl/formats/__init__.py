@@ -1,7 +1,25 @@
-"""Formats: readers that map DCP, safetensors (single + HF) and torch.save onto the
-logical model, plus format detection."""
-from .detect import detect_format, open_checkpoint, step_from_name
-from .tensorio import read_object, read_tensor, tensor_bytes
+"""Formats: readers that map DCP, safetensors (single + HF), torch.save and packs onto the
+logical model, plus format detection.
 
-__all__ = ["detect_format", "open_checkpoint", "read_object", "read_tensor", "step_from_name",
-           "tensor_bytes"]
+>>> from ckptctl.formats import open_checkpoint
+>>> open_checkpoint.__module__
+'ckptctl.formats.detect'
+
+Names are imported on first use (a command that only lists pays for no reader).
+"""
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {"detect_format": "detect", "open_checkpoint": "detect", "step_from_name": "detect",
+            "read_object": "tensorio", "read_tensor": "tensorio", "tensor_bytes": "tensorio"}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
