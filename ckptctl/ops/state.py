@@ -52,5 +52,22 @@ def checkpoint_state(url: str, storage_options: dict | None = None, *,
                            "format metadata present and consistent", r.format, r.step)
     first = errors[0]
     reason = f"{first.code}: {first.path + ': ' if first.path else ''}{first.message}"
+    if r.sealed and located is not None and _only_its_base(errors, url, located[1]):
+        # a delta pack whose own files match its manifest but whose base cannot be read
+        # from here (moved, deleted, another tier): still sealed, not an unfinished write
+        # (gc would remove it after the grace period); DCP packs read no base to tell
+        return StateReport(SEALED, f"pack's files match its manifest; its base cannot be "
+                           f"read here ({reason})", r.format, r.step)
     state = INCOMPLETE if any(p.code in _INCOMPLETE_CODES for p in errors) else CORRUPT
     return StateReport(state, reason, r.format, r.step)
+
+
+def _only_its_base(errors, url: str, files: dict[str, int]) -> bool:
+    """Are all of a pack folder's errors about another checkpoint (its base), none about
+    its own files?"""
+    from ..formats.pack import is_pack
+
+    inside = url.rstrip("/") + "/"
+    return is_pack(files) and all(
+        p.path and p.path != url.rstrip("/") and not p.path.startswith(inside)
+        for p in errors)
