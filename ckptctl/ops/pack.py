@@ -18,9 +18,9 @@ source's id.
 
 >>> import json, pathlib, struct, tempfile
 >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "ck").mkdir()
->>> hdr = json.dumps({"w": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}).encode()
+>>> hdr = json.dumps({"w": {"dtype": "F32", "shape": [1024], "data_offsets": [0, 4096]}}).encode()
 >>> _ = (d / "ck" / "model.safetensors").write_bytes(
-...     struct.pack("<Q", len(hdr)) + hdr + bytes(range(16)))
+...     struct.pack("<Q", len(hdr)) + hdr + bytes(range(256)) * 16)
 >>> r = pack(str(d / "ck"), str(d / "p"), workers=1)   # seals ck first
 >>> r.chunks, r.sealed_source   # the JSON header and the manifest: zstd; the tensor: planes
 ({'planes': 1, 'zstd': 2}, True)
@@ -54,6 +54,11 @@ from ..formats.pack import (DATA_FILE_SIZE, MAX_DEPTH, PACK_INDEX, ChunkRef, Pac
 from ..storage import new_hasher, open_store
 from .commit import commit
 from .output import OutputDir
+
+#: Tensors smaller than this stay in the raw bytes around them: each chunk costs ~0.1 ms
+#: to encode and decode whatever its size, and a few bytes of planes compress no better
+#: (a real model of 1,036 tensors, 848 under 1 KiB: pack 1.75x faster, ratio +1%).
+MIN_TENSOR_BYTES = 4096
 
 #: Files a reader looks for first: restored after every data file.
 COMMIT_MARKERS = (".metadata", "model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -254,6 +259,8 @@ def _plan_file(rel: str, size: int, spans: list, chunk: int,
         segs.append((Segment(kind, off, n, k, base, []), sizes))
 
     for off, n, k, key in spans:
+        if n < MIN_TENSOR_BYTES:  # left in the raw bytes around it (see MIN_TENSOR_BYTES)
+            continue
         if off > pos:
             add("raw", pos, off - pos, 1, None)
         base = base_map.get(key) if base_map else None
