@@ -165,6 +165,18 @@ def encode(data, *, itemsize: int, base=None, level: int = 3) -> tuple[str, byte
         x = _words(a, itemsize) ^ _words(b, itemsize)
         if not x.any():
             return "same", b""
+        if x.size >= 16 * _SAMPLE_WORDS:  # decide on samples, then encode once
+            import numpy as np
+
+            step = (x.size - _SAMPLE_WORDS) // 3
+            at = [i * step for i in range(4)]
+            xs = np.concatenate([x[i:i + _SAMPLE_WORDS] for i in at])
+            as_ = np.concatenate([a[i * itemsize:(i + _SAMPLE_WORDS) * itemsize] for i in at])
+            xor_s = len(_pack(xs, itemsize, NONE, None))
+            if xor_s >= XOR_TRY_ALONE * as_.size and \
+                    len(_alone(as_, itemsize, level)[1]) < xor_s:
+                return _alone(a, itemsize, level)  # a delta that barely helps: Adam's exp_avg
+            return "xor", _pack(x, itemsize, NONE, None)
         xor = _pack(x, itemsize, NONE, None)
         del x
         if len(xor) < XOR_TRY_ALONE * a.size:
@@ -172,6 +184,10 @@ def encode(data, *, itemsize: int, base=None, level: int = 3) -> tuple[str, byte
         alone = _alone(a, itemsize, level)  # a delta that barely helps: Adam's exp_avg
         return alone if len(alone[1]) < len(xor) else ("xor", xor)
     return _alone(a, itemsize, level)
+
+
+#: Elements per sample slice when ``encode`` chooses between XOR and no base (4 slices).
+_SAMPLE_WORDS = 8192
 
 
 def _alone(a, itemsize: int, level: int) -> tuple[str, bytes]:
