@@ -50,6 +50,7 @@ bench: venv
 	$(BIN)/python bench/consolidate_bench.py
 	$(BIN)/python bench/exact_bench.py
 	$(BIN)/python bench/promote_bench.py
+	$(BIN)/python bench/pack_bench.py
 
 docs: venv
 	$(BIN)/python tests/docsgen.py

@@ -170,6 +170,44 @@ def warm(paths, block: int = 8 << 20) -> None:
 
 
 # --------------------------------------------------------------------------- output
+def files_of(d: Path) -> list[Path]:
+    """Every file under ``d``, sorted."""
+    return sorted(p for p in d.rglob("*") if p.is_file())
+
+
+def digests(d: Path) -> dict[str, tuple[int, str]]:
+    """{relative path: (size, xxh3-128)} of every file under ``d``."""
+    out = {}
+    for p in files_of(d):
+        import xxhash
+
+        h = xxhash.xxh3_128()
+        with open(p, "rb", buffering=0) as f:
+            while chunk := f.read(8 << 20):
+                h.update(chunk)
+        out[p.relative_to(d).as_posix()] = (p.stat().st_size, h.hexdigest())
+    return out
+
+
+def add_output_args(ap) -> None:
+    """``--keep DIR`` and ``--no-write`` (and the hidden ``--md``), shared by the benches."""
+    ap.add_argument("--keep", metavar="DIR", help="work here and keep it (default: a temp dir)")
+    ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    ap.add_argument("--md", default=str(ROOT / "BENCHMARKS.md"), help=argparse.SUPPRESS)
+
+
+def work_dir(keep: str | None, prefix: str) -> Path:
+    """``--keep DIR`` emptied, or a new temp dir."""
+    import tempfile
+
+    if not keep:
+        return Path(tempfile.mkdtemp(prefix=prefix))
+    work = Path(keep).resolve()
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    return work
+
+
 def table(headers: list[str], rows: list[list], align: str | None = None) -> str:
     """A Markdown table, padded so that it also reads well in a terminal.
 

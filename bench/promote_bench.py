@@ -48,19 +48,20 @@ import shutil
 import socket
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
-import xxhash
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
 from common import (
     ROOT,
+    add_output_args,
+    digests,
+    files_of,
     Series,
     ckptctl_exe,
     evict,
@@ -70,6 +71,7 @@ from common import (
     table,
     tool_version,
     warm,
+    work_dir,
     write_section,
 )
 from s3server import start_rclone
@@ -100,22 +102,6 @@ dcp.save(sd, storage_writer=FileSystemWriter(out, thread_count=4))
 def binary(name: str) -> str | None:
     here = Path(sys.executable).parent / name
     return str(here) if here.exists() else shutil.which(name)
-
-
-def files_of(d: Path) -> list[Path]:
-    return sorted(p for p in d.rglob("*") if p.is_file())
-
-
-def digests(d: Path) -> dict[str, tuple[int, str]]:
-    """{relative path: (size, xxh3-128)} of every file under ``d``."""
-    out = {}
-    for p in files_of(d):
-        h = xxhash.xxh3_128()
-        with open(p, "rb", buffering=0) as f:
-            while chunk := f.read(8 << 20):
-                h.update(chunk)
-        out[p.relative_to(d).as_posix()] = (p.stat().st_size, h.hexdigest())
-    return out
 
 
 def check_same(got: Path, want: dict[str, tuple[int, str]], what: str) -> None:
@@ -560,17 +546,12 @@ def main(argv=None) -> int:
                     help="--bwlimit rates to check (default 50MiB/s,20MiB/s; empty: skip)")
     ap.add_argument("--window", type=float, default=10.0, help="rate window, s (default 10)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold local runs")
-    ap.add_argument("--keep", metavar="DIR", help="work here and keep it (default: a temp dir)")
-    ap.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
-    ap.add_argument("--md", default=str(ROOT / "BENCHMARKS.md"), help=argparse.SUPPRESS)
+    add_output_args(ap)
     a = ap.parse_args(argv)
     log = lambda m: print(m, flush=True)
     t_start = time.monotonic()
     load_before = load_average()
-    work = Path(a.keep).resolve() if a.keep else Path(tempfile.mkdtemp(prefix="promote-bench-"))
-    if a.keep:
-        rm(work)
-        work.mkdir(parents=True)
+    work = work_dir(a.keep, "promote-bench-")
     b = Bench(a, work, log)
     missing = [n for n, p in (("rclone", b.rclone), ("s5cmd", b.s5cmd)) if not p]
     for n in missing:

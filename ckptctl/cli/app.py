@@ -13,8 +13,9 @@ EXIT_STATUS = exit_status_text()  # the table lives in errors.EXIT_CODES
 
 app = typer.Typer(
     name="ckptctl",
-    help="git + rclone + restic for training checkpoints: inspect, seal and verify, "
-         "reshard and consolidate.\n\n"
+    help="git + rclone + restic for training checkpoints: inspect, seal and verify; "
+         "reshard and consolidate; diff, pack and unpack; promote between tiers, gc, "
+         "latest.\n\n"
          + EXIT_STATUS,
     no_args_is_help=True,
     add_completion=True,
