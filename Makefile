@@ -36,6 +36,13 @@ demo: venv
 	$(BIN)/ckptctl verify $(DEMO)/warm/step-20 --level full
 	$(BIN)/ckptctl latest $(DEMO)/warm
 	$(BIN)/ckptctl gc $(DEMO)/run1 --keep-last 1 --dry-run
+	@echo "== compare and compress: the reshard holds the same tensors; a lossless pack, read in place"
+	$(BIN)/ckptctl diff $(DEMO)/run1/step-20 $(DEMO)/run1-2d/step-20
+	$(BIN)/ckptctl pack $(DEMO)/run1/step-20 $(DEMO)/cold/step-20
+	$(BIN)/ckptctl inspect $(DEMO)/cold/step-20
+	$(BIN)/ckptctl verify $(DEMO)/cold/step-20 --level full
+	$(BIN)/ckptctl unpack $(DEMO)/cold/step-20 $(DEMO)/restored/step-20
+	$(BIN)/ckptctl diff $(DEMO)/run1/step-20 $(DEMO)/restored/step-20
 	$(BIN)/ckptctl ls $(DEMO)
 
 test: venv
