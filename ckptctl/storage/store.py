@@ -273,6 +273,9 @@ class Store:
         self._lock = threading.Lock()
         self._small: "SmallFileCache | None" = None
         self._fds: dict[str, int] = {}
+        #: remote files' modification times from the last listing that showed them: ``ls``
+        #: and ``gc`` date checkpoints without one HEAD request each
+        self._mtimes: dict[str, float] = {}
 
     def cache_small_files(self, sizes: dict[str, int], *, max_file: int = 16 << 20,
                           budget: int = 256 << 20) -> None:
@@ -457,6 +460,8 @@ class Store:
 
     def _uncache(self, rel: str) -> None:
         """A file about to change is no longer served from the small-file cache."""
+        with self._lock:
+            self._mtimes.pop(rel, None)
         if self._small is not None:
             with self._small.lock:
                 self._small.sizes.pop(rel, None)
@@ -553,8 +558,11 @@ class Store:
             self._count(reads=1, bytes_read=total)
 
     def _read_whole(self, rel: str) -> bytes:
+        # s3fs HEADs a file before a whole GET to split large ones into concurrent ranges;
+        # whole reads here are small files (metadata, manifests): one GET, not HEAD + GET
+        kw = {"max_concurrency": 1} if self.is_s3 else {}
         with self._errors(rel):
-            data = self.fs.cat_file(self.full(rel))
+            data = self.fs.cat_file(self.full(rel), **kw)
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes_read += len(data)
@@ -605,6 +613,10 @@ class Store:
             name = name.rstrip("/")  # fsspec names S3 objects bucket/key, like our root
             if name.startswith(prefix):
                 out[name[len(prefix):]] = int(info.get("size") or 0)
+                when = info.get("LastModified") if not self.is_local else None
+                if hasattr(when, "timestamp"):
+                    with self._lock:
+                        self._mtimes[name[len(prefix):]] = when.timestamp()
         return dict(sorted(out.items()))
 
     def list_dirs(self, rel: str = "") -> list[str]:
@@ -618,7 +630,12 @@ class Store:
                       if e.get("type") == "directory" and e["name"].startswith(prefix))
 
     def modified(self, rel: str) -> float | None:
-        """Modification time (seconds since the epoch) or None if the store has none."""
+        """Modification time (seconds since the epoch) or None if the store has none; a
+        remote file's from the listing that showed it, when there was one (no request)."""
+        with self._lock:
+            listed = self._mtimes.get(rel)
+        if listed is not None:
+            return listed
         with self._errors(rel):
             try:
                 ts = self.fs.modified(self.full(rel))
