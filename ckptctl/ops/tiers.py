@@ -139,7 +139,7 @@ def probe_tier(tier: Tier) -> None:
     store = open_store(tier.url, tier.storage_options)
     rel = PROBE_PREFIX + secrets.token_hex(8)
     data = f"ckptctl probe of tier {tier.name}\n".encode() + secrets.token_bytes(16)
-    made = _missing_dirs(store.root) if store.is_local else []
+    made = missing_dirs(store.root) if store.is_local else []
     try:
         store.write_atomic(rel, data)
         try:
@@ -156,8 +156,13 @@ def probe_tier(tier: Tier) -> None:
                 break
 
 
-def _missing_dirs(root: str) -> list[str]:
-    """The folders from ``root`` up that do not exist yet, deepest first."""
+def missing_dirs(root: str) -> list[str]:
+    """The folders from ``root`` up that do not exist yet, deepest first (what a probe
+    creates, and removes after).
+
+    >>> missing_dirs("/")
+    []
+    """
     out = []
     d = os.path.abspath(root)
     while d and not os.path.exists(d):

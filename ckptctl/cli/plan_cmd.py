@@ -1,0 +1,202 @@
+"""``ckptctl plan``: the checkpoint interval, its cost, and what the tiers must sustain."""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import typer
+
+from .app import app
+from .common import JsonOpt, QuietOpt, emit_json, human_bytes, print_table, say
+
+
+def _rate(r: float | None) -> str:
+    return "unknown" if not r else f"{human_bytes(int(r))}/s"
+
+
+def _secs(s: float | None) -> str:
+    if s is None:
+        return "unknown"
+    from ..ops.policy import format_duration
+
+    return f"{s:,.1f} s" if s < 60 else f"{s:,.1f} s ({format_duration(s)})"
+
+
+def _size(flag: str, text: str) -> int:
+    """A size in bytes: ``TB``/``GB`` powers of 1000, ``TiB``/``GiB`` and a bare ``T``/``G``
+    powers of 1024 (``parse_size``'s units, read by ``parse_rate``, which imports no
+    numpy)."""
+    from ..errors import UsageError
+    from ..storage.ratelimit import parse_rate
+
+    bad = UsageError(f"{flag}: bad size {text!r} (examples: 1TB, 800GiB, 1.5e12)")
+    if "/" in text or text.strip().lower() in ("off", "none", "unlimited"):
+        raise bad
+    try:
+        value = parse_rate(text)
+    except UsageError:
+        raise bad from None
+    if value is None:
+        raise UsageError(f"{flag} must be more than 0, not {text!r}")
+    return int(round(value))
+
+
+def _duration(flag: str, text: str | None) -> float | None:
+    from ..errors import UsageError
+    from ..ops.policy import parse_duration
+
+    if text is None:
+        return None
+    try:
+        value = parse_duration(text)
+    except UsageError as e:
+        raise UsageError(f"{flag}: {e.message}") from None
+    if value <= 0:
+        raise UsageError(f"{flag} must be longer than 0, not {text!r}")
+    return value
+
+
+@app.command()
+def plan(
+    ctx: typer.Context,
+    checkpoint_size: Optional[str] = typer.Option(
+        None, "--checkpoint-size", metavar="SIZE",
+        help="Size S of one whole checkpoint (all ranks): 1TB = 10^12 bytes, 1TiB = 2^40; "
+             "a bare T/G/M is binary."),
+    checkpoint: Optional[str] = typer.Option(
+        None, "--checkpoint", metavar="URL",
+        help="Take S from this checkpoint's listing instead (path, s3://..., TIER:NAME; a "
+             "folder of checkpoints: its newest committed one)."),
+    save_seconds: Optional[float] = typer.Option(
+        None, "--save-seconds", metavar="C",
+        help="Seconds training is blocked by one save (writing to the first tier)."),
+    mtbf: Optional[str] = typer.Option(
+        None, "--mtbf", metavar="DUR",
+        help="Mean time between failures of the whole job (2.8h, 1d, 90m, or seconds)."),
+    nodes: int = typer.Option(1, "--nodes", min=1, metavar="P",
+                              help="Nodes the checkpoint is spread over (each writes S/P)."),
+    interval: Optional[str] = typer.Option(
+        None, "--interval", metavar="DUR",
+        help="The interval you use or consider; drains are checked against it (default: "
+             "the optimal one)."),
+    measure: Optional[List[str]] = typer.Option(
+        None, "--measure", metavar="TIER",
+        help="Time a write and a read of a test object at this tier of the config, then "
+             "remove it; repeatable. Measured rates replace unknown ones and cap bwlimit."),
+    measure_size: str = typer.Option(
+        "64MiB", "--measure-size", metavar="SIZE",
+        help="Largest test object --measure writes."),
+    measure_seconds: float = typer.Option(
+        5.0, "--measure-seconds", metavar="S",
+        help="--measure stops writing (and reading) after about this long."),
+    json: bool = JsonOpt,
+    quiet: bool = QuietOpt,
+    storage_option: Optional[List[str]] = typer.Option(
+        None, "--storage-option", "-o", metavar="KEY=VALUE",
+        help="fsspec storage option for --checkpoint, repeatable (endpoint_url=...)."),
+):
+    """How often to checkpoint, what it costs, and whether the tiers keep up.
+
+    \b
+    FORMULAS (S size, P nodes, C save seconds, M MTBF, tau the interval)
+      optimal interval (Young/Daly)   tau* = sqrt(2 C M)
+      expected overhead               C/tau + tau/(2 M)   (also as hours lost per day)
+      per-node drain bandwidth        B >= S / (P tau)    (S/P per node per interval)
+      local capacity per node         2 S / P             (current + previous checkpoint)
+      drain of a tier hop             bytes / rate; it fits when it ends within tau
+      recovery from a tier            bytes / read rate
+
+    Tiers come from the config (--config, $CKPTCTL_CONFIG or ./ckptctl.toml), hottest
+    first; the first is taken as node-local: its hop out moves S/P on every node at once
+    (the rate is one node's), later hops and a restart from a shared tier move S. A hop's
+    rate is the smallest known of the destination's bwlimit, its measured write and the
+    source's measured read; a tier with neither bwlimit nor --measure is "unknown".
+    A tier that cannot be measured is exit 3.
+
+    \b
+    EXAMPLES
+      ckptctl plan --checkpoint-size 1TB --save-seconds 60 --mtbf 2.8h --nodes 128
+      ckptctl plan --checkpoint warm:step-12000 --save-seconds 45 --mtbf 1d --interval 30m
+      ckptctl plan --checkpoint-size 800GiB --save-seconds 60 --mtbf 6h --measure warm --json
+    """
+    from ..errors import UsageError
+    from ..ops.plan import TierInput, checkpoint_size as measure_size_of, measure_tier
+    from ..ops.plan import plan as do_plan
+    from .common import current_config, resolve_place
+
+    if checkpoint_size is None and checkpoint is None:
+        raise UsageError("give the checkpoint size: --checkpoint-size SIZE or "
+                         "--checkpoint URL")
+    if checkpoint_size is not None and checkpoint is not None:
+        raise UsageError("--checkpoint-size and --checkpoint both give the size: give one")
+    if save_seconds is None:
+        raise UsageError("give --save-seconds C (seconds one save blocks training)")
+    if mtbf is None:
+        raise UsageError("give --mtbf DUR (mean time between failures, e.g. 2.8h)")
+    mtbf_s = _duration("--mtbf", mtbf)
+    interval_s = _duration("--interval", interval)
+    probe_size = _size("--measure-size", measure_size)
+    if not measure_seconds > 0:
+        raise UsageError(f"--measure-seconds must be more than 0, not {measure_seconds:g}")
+    config = current_config(ctx)
+    wanted = [m[:-1] if m.endswith(":") else m for m in measure or ()]
+    if wanted and config.path is None:
+        raise UsageError("--measure needs a tier config: pass --config FILE, set "
+                         "$CKPTCTL_CONFIG or create ./ckptctl.toml")
+    for name in wanted:
+        config.tier(name)  # an unknown tier: exit 2 before anything is written
+    url = None
+    if checkpoint is not None:
+        place = resolve_place(ctx, checkpoint, storage_option)
+        url, size = measure_size_of(place.url, place.storage_options)
+    else:
+        size = _size("--checkpoint-size", checkpoint_size)
+    tiers = []
+    for t in config.tiers:
+        m = measure_tier(t, size=probe_size, seconds=measure_seconds) \
+            if t.name in wanted else None
+        tiers.append(TierInput(t.name, t.url, t.bwlimit, m))
+    r = do_plan(size, save_seconds, mtbf_s, nodes=nodes, interval_seconds=interval_s,
+                tiers=tiers, checkpoint_url=url)
+    if json:
+        emit_json(r.to_dict())
+        return
+    if quiet:
+        return
+    _show(r)
+
+
+def _show(r) -> None:
+    from ..ops.policy import format_duration
+
+    src = f" ({r.checkpoint_url})" if r.checkpoint_url else ""
+    say(f"checkpoint S = {human_bytes(r.checkpoint_bytes)} ({r.checkpoint_bytes:,} bytes){src}"
+        f" on P = {r.nodes} node{'s' if r.nodes != 1 else ''}; save C = {r.save_seconds:g} s;"
+        f" MTBF = {_secs(r.mtbf_seconds)}")
+    say(f"optimal interval tau* = sqrt(2 C MTBF) = {_secs(r.optimal_interval_seconds)}")
+    say(f"overhead at the optimal interval: {r.overhead_optimal:.2%} "
+        f"({r.hours_lost_per_day_optimal:.2f} h lost per day)")
+    if r.chosen_interval_seconds is not None:
+        say(f"overhead at the chosen interval {format_duration(r.chosen_interval_seconds)}: "
+            f"{r.overhead_chosen:.2%} ({r.hours_lost_per_day_chosen:.2f} h lost per day)")
+    which = "chosen" if r.chosen_interval_seconds is not None else "optimal"
+    say(f"per-node drain bandwidth B >= S/(P tau) = {_rate(r.node_bandwidth_bytes_per_second)}"
+        f" at the {which} interval ({_rate(r.total_bandwidth_bytes_per_second)} in all)")
+    say(f"local capacity per node 2 S/P = {human_bytes(r.local_capacity_bytes)} "
+        "(current + previous checkpoint)")
+    for m in r.measured:
+        say(f"measured {m.tier}: wrote {human_bytes(m.write_bytes)} in {m.write_seconds:.2f} s"
+            f" ({_rate(m.write_bytes_per_second)}), read {human_bytes(m.read_bytes)} in "
+            f"{m.read_seconds:.2f} s ({_rate(m.read_bytes_per_second)})"
+            + (", page cache dropped first" if m.cache_dropped else "")
+            + "; test object removed")
+    if r.hops:
+        rows = [[f"{h.src} -> {h.dst}",
+                 human_bytes(h.bytes) + (f" x {h.streams} nodes" if h.streams > 1 else ""),
+                 _rate(h.bytes_per_second), h.rate_source, _secs(h.drain_seconds),
+                 {True: "yes", False: "NO", None: "unknown"}[h.fits]] for h in r.hops]
+        print_table(["hop", "moves", "rate", "rate from", "drain", f"fits {which} tau"], rows)
+    if r.recovery:
+        rows = [[x.tier, human_bytes(x.bytes) + (" per node" if i == 0 and r.nodes > 1 else ""),
+                 _rate(x.bytes_per_second), x.rate_source, _secs(x.seconds)]
+                for i, x in enumerate(r.recovery)]
+        print_table(["recover from", "reads", "rate", "rate from", "time"], rows)
