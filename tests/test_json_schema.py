@@ -258,6 +258,30 @@ def test_gc_json_error(cli, run):
     assert e["code"] == "USAGE" and "empty policy" in e["message"]
 
 
+def test_watch_json(cli, run, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    cfg = tmp_path / "ckptctl.toml"
+    cfg.write_text(f'[[tier]]\nname = "hot"\nurl = "{run}"\n'
+                   f'[[tier]]\nname = "warm"\nurl = "{tmp_path / "warm"}"\n')
+    doc = _json_ok(cli, "--config", str(cfg), "watch", "--once", "--settle", "0", "--no-nice")
+    assert doc["drained"] is True and doc["found"] == ["step-42"]
+    (hop,) = doc["promoted"]
+    assert (hop["name"], hop["src"], hop["dst"], hop["action"]) == \
+        ("step-42", "hot", "warm", "promoted")
+    sizes = _sizes(run / "step-42")  # sealed at the source by watch
+    assert hop["bytes"] == sum(v for k, v in sizes.items() if k != MANIFEST)
+    assert _sizes(tmp_path / "warm" / "step-42") == sizes
+    status = _json_ok(cli, "--config", str(cfg), "watch", "--status")
+    assert status["status"]["done"][0]["name"] == "step-42"
+
+
+def test_watch_json_error(cli, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CKPTCTL_CONFIG", raising=False)
+    e = _json_error(cli, 2, "watch", "--once")
+    assert e["code"] == "USAGE" and "no tier config" in e["message"]
+
+
 def test_promote_json(cli, run, tmp_path):
     dst = tmp_path / "warm" / "step-42"
     doc = _json_ok(cli, "promote", str(run / "step-42"), str(dst))
@@ -363,6 +387,25 @@ def test_interrupted_json_error(tmp_path):
                                                   "message": "interrupted", "path": None}}
 
 
+def test_plan_json(cli, run, tmp_path):
+    f = tmp_path / "ckptctl.toml"
+    f.write_text(f'[[tier]]\nname = "hot"\nurl = "{run}"\n'
+                 f'[[tier]]\nname = "warm"\nurl = "{tmp_path / "warm"}"\nbwlimit = "1GB/s"\n')
+    ck = run / "step-42"
+    doc = _json_ok(cli, "plan", "--config", str(f), "--checkpoint", str(ck), "--save-seconds",
+                   "60", "--mtbf", "2.8h", "--measure", "hot", "--measure-size", "1MiB")
+    assert 1099 < doc["optimal_interval_seconds"] < 1100
+    assert doc["checkpoint_url"] == str(ck) and doc["checkpoint_bytes"] == sum(_sizes(ck).values())
+    assert [(h["src"], h["dst"]) for h in doc["hops"]] == [("hot", "warm")]
+    assert [m["tier"] for m in doc["measured"]] == ["hot"] and doc["measured"][0]["removed"]
+    assert sorted(os.listdir(run)) == ["step-42"]  # the probe is gone
+
+
+def test_plan_json_error(cli, tmp_path):
+    e = _json_error(cli, 2, "plan", "--checkpoint-size", "1TB", "--save-seconds", "60")
+    assert e["code"] == "USAGE" and "--mtbf" in e["message"]
+
+
 def test_every_command_with_json_is_covered():
     """A new command with --json must get its success and failure tests here."""
     import typer
@@ -373,5 +416,5 @@ def test_every_command_with_json_is_covered():
     with_json = {name for name, cmd in group.commands.items()
                  if any("--json" in p.opts for p in cmd.params)}
     covered = {"ls", "inspect", "verify", "seal", "reshard", "consolidate", "tiers", "gc",
-               "promote", "pack", "unpack", "diff"}
+               "promote", "pack", "unpack", "diff", "plan", "watch"}
     assert with_json == covered, with_json ^ covered

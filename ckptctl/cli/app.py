@@ -15,7 +15,7 @@ app = typer.Typer(
     name="ckptctl",
     help="git + rclone + restic for training checkpoints: inspect, seal and verify; "
          "reshard and consolidate; diff, pack and unpack; promote between tiers, gc, "
-         "latest.\n\n"
+         "latest; watch and plan the tiering.\n\n"
          + EXIT_STATUS,
     no_args_is_help=True,
     add_completion=True,

@@ -23,18 +23,22 @@ _EXPORTS = {
     **dict.fromkeys(["DiffResult", "EntryDiff", "diff"], "diff"),
     **dict.fromkeys(["InspectResult", "inspect", "summarize"], "inspect"),
     **dict.fromkeys(["ReshardResult", "reshard"], "reshard"),
-    **dict.fromkeys(["GcResult", "gc"], "gc"),
+    **dict.fromkeys(["GcResult", "gc", "protect_decision"], "gc"),
     **dict.fromkeys(["LatestResult", "latest"], "latest"),
     **dict.fromkeys(["LsResult", "ls"], "ls"),
     **dict.fromkeys(["PackResult", "UnpackResult", "pack", "unpack"], "pack"),
     **dict.fromkeys(["PinResult", "pin", "unpin"], "pins"),
     **dict.fromkeys(["Decision", "Item", "Policy", "apply_policy", "parse_duration"], "policy"),
+    **dict.fromkeys(["Measurement", "PlanResult", "TierInput", "measure_tier", "plan",
+                     "young_daly"], "plan"),
     **dict.fromkeys(["PromoteResult", "promote"], "promote"),
     **dict.fromkeys(["RemoveResult", "remove_checkpoint"], "remove"),
     **dict.fromkeys(["SealResult", "seal"], "seal"),
     **dict.fromkeys(["checkpoint_state"], "state"),
     **dict.fromkeys(["TierCheck", "TiersResult", "check_tiers"], "tiers"),
     **dict.fromkeys(["PROBLEM_CODES", "Problem", "VerifyResult", "verify"], "verify"),
+    **dict.fromkeys(["WatchPass", "Watcher", "lower_priority", "read_status", "state_dir"],
+                    "watch"),
 }
 __all__ = sorted(_EXPORTS)
 

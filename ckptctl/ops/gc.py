@@ -128,11 +128,31 @@ def _items(rows: list[CheckpointRow], *, now: float, grace: float) -> list[Item]
     return items
 
 
+def protect_decision(decision: Decision, protect: dict[str, str],
+                     order: list[str]) -> Decision:
+    """``decision`` with every name of ``protect`` kept, its reason added; ``order`` is
+    every name, newest first (the order of the result). Pure.
+
+    >>> d = Decision({"step-3": ["last 1"]}, ["step-2", "step-1"])
+    >>> protect_decision(d, {"step-2": "not yet in warm", "step-9": "x"},
+    ...                  ["step-3", "step-2", "step-1"])
+    Decision(keep={'step-3': ['last 1'], 'step-2': ['not yet in warm']}, remove=['step-1'])
+    """
+    reasons = {n: list(decision.keep.get(n, [])) for n in order}
+    for name, why in protect.items():
+        if name in reasons and why not in reasons[name]:
+            reasons[name].append(why)
+    return Decision({n: r for n, r in reasons.items() if r},
+                    [n for n, r in reasons.items() if not r])
+
+
 def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
        dry_run: bool = False, grace: float | str = DEFAULT_GRACE,
-       now: float | None = None) -> GcResult:
+       now: float | None = None, protect: dict[str, str] | None = None) -> GcResult:
     """Keep what ``policy`` and the rails keep under ``root``; remove the rest (``dry_run``:
-    only say so). Raises UsageError (exit 2) on an empty policy, before anything is read.
+    only say so). ``protect`` (name -> reason) is kept whatever the policy says
+    (:func:`protect_decision`; ``watch``: "not yet in TIER"). Raises UsageError (exit 2)
+    on an empty policy, before anything is read.
 
     >>> import pathlib, tempfile, numpy as np
     >>> from safetensors.numpy import save_file
@@ -153,6 +173,8 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
     rows = {r.name: r for r in listing.checkpoints}
     items = _items(listing.checkpoints, now=now, grace=grace)
     decision = apply_policy(items, policy, now=now, grace=grace)
+    if protect:
+        decision = protect_decision(decision, protect, [i.name for i in newest_first(items)])
     result = GcResult(listing.root, policy.describe(), dry_run, grace, now, decision)
     for item in newest_first(items):
         r = rows[item.name]

@@ -1,0 +1,526 @@
+"""``watch``: drain new checkpoints down the tiers of a config and trim each tier.
+
+The tiers' listings are the state (DESIGN.md, "watch"): a checkpoint committed in tier i
+and not committed in tier i+1 needs that hop, and promote's own journal resumes a
+half-done one. A pass (:meth:`Watcher.run_once`):
+
+1. lists the first tier; a checkpoint there is ready when ``ls`` calls it ``complete`` or
+   ``sealed`` and its listing (bytes, files, marker time) has not changed for ``settle``
+   seconds; a ready one is sealed at the source;
+2. promotes, hop by hop down the tiers, one checkpoint at a time per tier pair (oldest
+   first), with the destination tier's ``pack`` and ``bwlimit``;
+3. applies each tier's ``keep`` (gc) with a rail: in every tier but the last, a checkpoint
+   not yet committed in the next tier is kept ("not yet in TIER"); when the next tier
+   cannot be listed, everything is kept;
+4. records errors with their next retry time (exponential backoff across passes); an
+   error never turns into a deletion.
+
+What it keeps beside that, under ``$XDG_CACHE_HOME/ckptctl/watch/<hash of the config
+path>/``: ``events.jsonl`` (one JSON line per action), ``status.json`` (queued, in
+flight, done, failed, rates) and ``lock`` (one watch per node and config).
+
+>>> w = Watcher(config, settle=0)                    # doctest: +SKIP
+>>> p = w.run_once(); p.drained, [h.name for h in p.promoted]   # doctest: +SKIP
+(True, ['step-100', 'step-100'])
+"""
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import random
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+from ..config import Config, Tier
+from ..errors import CkptError, Finding, NotFoundError, StorageError, UsageError
+
+COMMITTED = ("sealed", "complete")
+#: Backoff of a failing step: BASE, 2*BASE, 4*BASE... up to MAX seconds.
+BACKOFF_BASE = 30.0
+BACKOFF_MAX = 3600.0
+#: How many finished hops status.json remembers.
+DONE_KEPT = 50
+
+
+@dataclass
+class Hop:
+    """One promotion: ``name`` from tier ``src`` to tier ``dst``."""
+
+    name: str
+    src: str
+    dst: str
+    action: str  # promoted | up-to-date
+    bytes: int
+    bytes_sent: int
+    seconds: float
+
+    @property
+    def rate(self) -> float:
+        return self.bytes_sent / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class Failure:
+    """A step that failed: ``what`` is ``list``, ``seal``, ``promote`` or ``gc``."""
+
+    key: str
+    what: str
+    tier: str
+    name: str | None
+    code: str
+    message: str
+    attempts: int
+    next_retry: float
+
+
+@dataclass
+class WatchPass:
+    """What one pass found and did. ``pending``: (tier, name, why) of what still waits."""
+
+    started: float
+    seconds: float = 0.0
+    found: list[str] = field(default_factory=list)
+    sealed: list[str] = field(default_factory=list)
+    promoted: list[Hop] = field(default_factory=list)
+    kept: dict[str, list[str]] = field(default_factory=dict)
+    removed: dict[str, list[str]] = field(default_factory=dict)
+    pending: list[dict] = field(default_factory=list)
+    failed: list[Failure] = field(default_factory=list)
+
+    @property
+    def drained(self) -> bool:
+        """Nothing pending and nothing failed (``--once`` exits 0)."""
+        return not self.pending and not self.failed
+
+    def to_dict(self) -> dict:
+        return {
+            "started": _iso(self.started), "seconds": round(self.seconds, 3),
+            "drained": self.drained, "found": list(self.found), "sealed": list(self.sealed),
+            "promoted": [{**asdict(h), "bytes_per_second": round(h.rate)}
+                         for h in self.promoted],
+            "kept": {k: list(v) for k, v in self.kept.items()},
+            "removed": {k: list(v) for k, v in self.removed.items()},
+            "pending": [dict(p) for p in self.pending],
+            "failed": [{**asdict(f), "next_retry": _iso(f.next_retry)} for f in self.failed],
+        }
+
+
+def _iso(ts: float | None) -> str | None:
+    from .ls import iso_utc
+
+    return iso_utc(ts)
+
+
+def state_dir(config_path: str) -> str:
+    """Where watch keeps its log, status and lock for the config at ``config_path``:
+    ``$XDG_CACHE_HOME`` (default ``~/.cache``) ``/ckptctl/watch/<16 hex digits>``.
+
+    >>> d = state_dir("/etc/ckptctl.toml")
+    >>> d.split(os.sep)[-3:-1], len(os.path.basename(d))
+    (['ckptctl', 'watch'], 16)
+    """
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    digest = hashlib.sha256(os.path.abspath(config_path).encode()).hexdigest()[:16]
+    return os.path.join(base, "ckptctl", "watch", digest)
+
+
+def read_status(config_path: str) -> dict | None:
+    """The status file of the watch of ``config_path``; None when no watch has run.
+
+    >>> read_status("/no/such/config.toml") is None
+    True
+    """
+    try:
+        with open(os.path.join(state_dir(config_path), "status.json")) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise StorageError(os.path.join(state_dir(config_path), "status.json"),
+                           f"cannot read the watch status ({e})") from None
+
+
+class Watcher:
+    """Drains the tiers of ``config`` (see the module docstring). ``settle``: seconds a
+    first-tier checkpoint's listing must stay unchanged before it is taken (0: at once);
+    ``backoff``: the first retry delay of a failed step (doubled per failure, at most
+    ``max_backoff``); ``clock``: the time source (tests).
+
+    >>> Watcher(Config("c.toml", ()))
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: c.toml: no tiers to watch (define [[tier]] tables)
+    """
+
+    def __init__(self, config: Config, *, settle: float = 30.0, backoff: float = BACKOFF_BASE,
+                 max_backoff: float = BACKOFF_MAX, clock=time.time):
+        if config.path is None:
+            raise UsageError("no tier config to watch (pass --config FILE, set "
+                             "CKPTCTL_CONFIG or create ./ckptctl.toml)")
+        if not config.tiers:
+            raise UsageError("no tiers to watch (define [[tier]] tables)", config.path)
+        self.config = config
+        self.settle = float(settle)
+        self.backoff = float(backoff)
+        self.max_backoff = float(max_backoff)
+        self.clock = clock
+        self.dir = state_dir(config.path)
+        self.events_path = os.path.join(self.dir, "events.jsonl")
+        self.status_path = os.path.join(self.dir, "status.json")
+        self._lock_fd: int | None = None
+        self.status = self._load()
+
+    # -- lock, status, events ----------------------------------------------------------
+
+    def lock(self) -> None:
+        """Take the lock of this config (flock, released when the process ends or
+        :meth:`unlock`); a UsageError (exit 2) when another watch holds it.
+
+        >>> w.lock()                                      # doctest: +SKIP
+        """
+        import fcntl
+
+        if self._lock_fd is not None:
+            return
+        os.makedirs(self.dir, exist_ok=True)
+        path = os.path.join(self.dir, "lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                raise UsageError(f"another watch is running for {self.config.path} (lock "
+                                 f"{path} is held: one watch per node and config)") from None
+            raise StorageError(path, f"cannot lock ({e.strerror})") from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._lock_fd = fd
+
+    def unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+    def _load(self) -> dict:
+        try:
+            with open(self.status_path) as f:
+                doc = json.load(f)
+            if isinstance(doc, dict):
+                return doc
+        except (OSError, ValueError):
+            pass  # none yet, or torn by a crash: the listings are the state anyway
+        return {}
+
+    def save(self) -> None:
+        """Write ``status.json`` atomically (temp file, rename)."""
+        os.makedirs(self.dir, exist_ok=True)
+        self.status["config"] = os.path.abspath(self.config.path)
+        self.status["updated"] = _iso(self.clock())
+        self.status["pid"] = os.getpid()
+        tmp = f"{self.status_path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.status, f, indent=1, sort_keys=True)
+        os.replace(tmp, self.status_path)
+
+    def _event(self, event: str, **fields) -> None:
+        os.makedirs(self.dir, exist_ok=True)
+        line = json.dumps({"time": _iso(self.clock()), "event": event, **fields},
+                          sort_keys=False, default=str)
+        with open(self.events_path, "a") as f:
+            f.write(line + "\n")
+
+    # -- failures and backoff -----------------------------------------------------------
+
+    def _waiting(self, key: str, now: float) -> Failure | None:
+        """The failure of ``key`` when its next retry is still to come, else None."""
+        f = self.status.get("failed", {}).get(key)
+        if f and f["next_retry"] > now:
+            return Failure(key, f["what"], f["tier"], f.get("name"), f["code"], f["message"],
+                           f["attempts"], f["next_retry"])
+        return None
+
+    def _fail(self, p: WatchPass, key: str, what: str, tier: str, name: str | None,
+              e: BaseException) -> Failure:
+        failed = self.status.setdefault("failed", {})
+        attempts = failed.get(key, {}).get("attempts", 0) + 1
+        now = self.clock()
+        delay = min(self.backoff * 2 ** (attempts - 1), self.max_backoff)
+        code = str(getattr(e, "code", None) or type(e).__name__)
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        f = Failure(key, what, tier, name, code, message, attempts, now + delay)
+        failed[key] = {k: v for k, v in asdict(f).items() if k != "key"}
+        p.failed.append(f)
+        self._event("failed", what=what, tier=tier, name=name, code=code, message=message,
+                    attempts=attempts, next_retry=_iso(f.next_retry))
+        return f
+
+    def _ok(self, key: str) -> None:
+        if self.status.get("failed", {}).pop(key, None) is not None:
+            self._event("recovered", key=key)
+
+    # -- one pass ---------------------------------------------------------------------
+
+    def run_once(self) -> WatchPass:
+        """One pass over the tiers (see the module docstring); the status file is saved
+        at the end, and also when the pass is interrupted (KeyboardInterrupt).
+
+        >>> w.run_once().drained                           # doctest: +SKIP
+        True
+        """
+        p = WatchPass(self.clock())
+        t0 = time.monotonic()
+        try:
+            self._pass(p)
+        finally:
+            self.status["in_flight"] = None
+            self.status["queued"] = [dict(x) for x in p.pending]
+            self.status["last_pass"] = {"started": _iso(p.started),
+                                        "seconds": round(time.monotonic() - t0, 3),
+                                        "drained": p.drained}
+            p.seconds = time.monotonic() - t0
+            self.save()
+        return p
+
+    def _list(self, p: WatchPass, tier: Tier):
+        """The rows of ``tier``'s listing by name; None (and a failure) when it cannot be
+        listed or its retry is not due."""
+        from .ls import ls
+
+        key = f"list {tier.name}"
+        waiting = self._waiting(key, self.clock())
+        if waiting is not None:
+            p.failed.append(waiting)
+            return None
+        try:
+            rows = ls(tier.url, tier.storage_options).checkpoints
+        except (CkptError, OSError) as e:
+            if isinstance(e, NotFoundError):
+                # a tier not made yet (a folder, an S3 prefix): empty; safe for the rail,
+                # which then keeps everything of the tier before it
+                rows = []
+            else:
+                self._fail(p, key, "list", tier.name, None, e)
+                return None
+        self._ok(key)
+        return {r.name: r for r in rows}
+
+    def _ready(self, p: WatchPass, tier: Tier, rows: dict) -> list[str]:
+        """First-tier names that are committed and settled, oldest first."""
+        now = self.clock()
+        seen = self.status.setdefault("seen", {})
+        ready = []
+        for name, r in rows.items():
+            sig = [r.state, r.bytes, r.num_files, r.modified]
+            old = seen.get(name)
+            if old is None:
+                p.found.append(name)
+                self._event("found", tier=tier.name, name=name, state=r.state, bytes=r.bytes)
+            if old is None or old["sig"] != sig:
+                seen[name] = old = {"sig": sig, "since": now}
+            if r.state not in COMMITTED:
+                p.pending.append({"tier": tier.name, "name": name, "why": r.state})
+            elif now - old["since"] < self.settle:
+                p.pending.append({"tier": tier.name, "name": name, "why": "settling"})
+            else:
+                ready.append(name)
+        for name in [n for n in seen if n not in rows]:
+            del seen[name]  # gone from the first tier (trimmed, or removed by hand)
+        return ready
+
+    def _pass(self, p: WatchPass) -> None:
+        from .seal import seal
+
+        tiers = self.config.tiers
+        listings = [self._list(p, tiers[0])]
+        first = listings[0]
+        ready = self._ready(p, tiers[0], first) if first is not None else []
+        for name in ready:
+            r = first[name]
+            if r.state == "sealed":
+                continue
+            key = f"seal {tiers[0].name}:{name}"
+            if self._waiting(key, self.clock()):
+                p.failed.append(self._waiting(key, self.clock()))
+                continue
+            try:
+                seal(r.url, tiers[0].storage_options)
+            except (CkptError, OSError) as e:
+                self._fail(p, key, "seal", tiers[0].name, name, e)
+                continue
+            self._ok(key)
+            p.sealed.append(name)
+            self._event("sealed", tier=tiers[0].name, name=name, url=r.url)
+        if first is not None and p.sealed:
+            listings[0] = first = self._list(p, tiers[0])
+        movable = set(ready)
+        for i in range(len(tiers) - 1):
+            src, dst = tiers[i], tiers[i + 1]
+            rows = listings[i]
+            after = self._list(p, dst)
+            if rows is not None and after is not None:
+                todo = [n for n, r in rows.items() if r.state in COMMITTED
+                        and (i > 0 or n in movable)
+                        and not (n in after and after[n].state in COMMITTED)]
+                for name in todo:
+                    if not self._hop(p, src, dst, rows[name], name):
+                        done = {h.name for h in p.promoted if h.dst == dst.name}
+                        for rest in todo[todo.index(name) + 1:]:
+                            if rest not in done:
+                                p.pending.append({"tier": src.name, "name": rest,
+                                                  "why": f"waiting for {dst.name}"})
+                        break
+                if any(h.dst == dst.name for h in p.promoted):
+                    after = self._list(p, dst)
+            listings.append(after)
+        for i, tier in enumerate(tiers):
+            self._retain(p, i, listings)
+
+    def _hop(self, p: WatchPass, src: Tier, dst: Tier, row, name: str) -> bool:
+        """Promote one checkpoint; False when it failed in a way that stops this tier
+        pair for the pass (the destination or the network, not this checkpoint)."""
+        from .promote import promote
+
+        key = f"promote {src.name}->{dst.name}:{name}"
+        waiting = self._waiting(key, self.clock())
+        if waiting is not None:
+            p.failed.append(waiting)
+            return False
+        url = dst.url.rstrip("/") + "/" + name
+        self.status["in_flight"] = {"name": name, "src": src.name, "dst": dst.name,
+                                    "since": _iso(self.clock())}
+        self.save()
+        try:
+            r = promote(row.url, url, src.storage_options, dst.storage_options,
+                        bwlimit=dst.bwlimit, pack=dst.pack)
+        except (CkptError, OSError) as e:
+            self._fail(p, key, "promote", dst.name, name, e)
+            # a finding is about this checkpoint: the others may still go
+            return isinstance(e, Finding) and not isinstance(e, StorageError)
+        finally:
+            self.status["in_flight"] = None
+        self._ok(key)
+        hop = Hop(name, src.name, dst.name, r.action, r.bytes, r.bytes_sent, r.seconds)
+        p.promoted.append(hop)
+        pair = f"{src.name}->{dst.name}"
+        if hop.bytes_sent and hop.seconds > 0:
+            self.status.setdefault("rates", {})[pair] = round(hop.rate)
+        done = self.status.setdefault("done", [])
+        done.append({"name": name, "src": src.name, "dst": dst.name, "action": r.action,
+                     "bytes": r.bytes, "seconds": r.seconds, "time": _iso(self.clock())})
+        del done[:-DONE_KEPT]
+        self._event("promoted", name=name, src=src.name, dst=dst.name, action=r.action,
+                    bytes=r.bytes, bytes_sent=r.bytes_sent, seconds=r.seconds,
+                    bytes_per_second=round(hop.rate), pack=dst.pack)
+        return True
+
+    def _retain(self, p: WatchPass, i: int, listings: list) -> None:
+        """Apply tier i's keep, with the "not yet in NEXT" rail."""
+        from .gc import gc
+        from .policy import Policy
+
+        tier = self.config.tiers[i]
+        if not tier.keep or not listings[i]:
+            return  # nothing kept to apply, nothing listed (or not listable) to trim
+        key = f"gc {tier.name}"
+        if self._waiting(key, self.clock()):
+            p.failed.append(self._waiting(key, self.clock()))
+            return
+        protect: dict[str, str] = {}
+        if i + 1 < len(self.config.tiers):
+            nxt, after = self.config.tiers[i + 1], listings[i + 1]
+            for name in listings[i]:
+                if after is None:
+                    protect[name] = f"{nxt.name} cannot be listed"
+                elif not (name in after and after[name].state in COMMITTED):
+                    protect[name] = f"not yet in {nxt.name}"
+        try:
+            r = gc(tier.url, Policy.from_dict(tier.keep, where=f"tier {tier.name}"),
+                   tier.storage_options, protect=protect)
+        except (CkptError, OSError) as e:
+            self._fail(p, key, "gc", tier.name, None, e)
+            return
+        self._ok(key)
+        p.kept[tier.name] = list(r.decision.keep)
+        p.removed[tier.name] = [c.name for c in r.removed]
+        for c in r.removed:
+            self._event("removed", tier=tier.name, name=c.name, bytes=c.bytes)
+
+    # -- loop -------------------------------------------------------------------------
+
+    def loop(self, *, interval: float = 60.0, jitter: float = 0.0, on_pass=None,
+             wake: threading.Event | None = None) -> None:
+        """Run passes forever: after each, wait ``interval`` (+ up to ``jitter``) seconds,
+        or less when the first tier changes (watchdog's inotify on a local first tier;
+        polling elsewhere or without watchdog). ``on_pass(WatchPass)`` is called after
+        each pass. Ends only by an exception (KeyboardInterrupt: SIGTERM or Ctrl-C), the
+        status saved.
+
+        >>> w.loop(interval=30, jitter=5)                 # doctest: +SKIP
+        """
+        wake = wake or threading.Event()
+        observer = self._observe(wake)
+        try:
+            while True:
+                wake.clear()
+                p = self.run_once()
+                if on_pass is not None:
+                    on_pass(p)
+                wake.wait(interval + (random.uniform(0, jitter) if jitter > 0 else 0.0))
+        finally:
+            if observer is not None:
+                observer.stop()
+            self.save()
+
+    def _observe(self, wake: threading.Event):
+        """A watchdog observer that sets ``wake`` on any change under a local first tier;
+        None (polling) for a remote tier or without watchdog."""
+        root = self.config.tiers[0].url
+        if "://" in root and not root.startswith("file://"):
+            return None
+        try:
+            from watchdog.events import FileSystemEventHandler
+            from watchdog.observers import Observer
+        except ImportError:
+            return None
+
+        class _Wake(FileSystemEventHandler):
+            def on_any_event(self, event):
+                wake.set()
+
+        os.makedirs(root, exist_ok=True)
+        observer = Observer()
+        observer.daemon = True
+        observer.schedule(_Wake(), root, recursive=True)
+        observer.start()
+        return observer
+
+
+def lower_priority() -> list[str]:
+    """Make this process nice (``os.nice(10)``) and, on Linux, of the idle I/O class
+    (``ioprio_set``); returns what was done.
+
+    >>> isinstance(lower_priority(), list)            # doctest: +SKIP
+    True
+    """
+    done = []
+    try:
+        os.nice(10)
+        done.append("nice 10")
+    except OSError:
+        pass
+    import ctypes
+    import platform
+
+    number = {"x86_64": 251, "aarch64": 30, "arm64": 30}.get(platform.machine())
+    if number is not None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            # IOPRIO_WHO_PROCESS = 1, this process; IOPRIO_CLASS_IDLE = 3 << 13
+            if libc.syscall(number, 1, 0, 3 << 13) == 0:
+                done.append("io idle")
+        except (OSError, AttributeError):
+            pass
+    return done
