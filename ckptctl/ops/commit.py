@@ -24,6 +24,31 @@ from ..formats.manifest import MANIFEST, FileEntry, Manifest, logical_digest
 from ..storage import Store
 
 
+#: Files a format reads as "this checkpoint is complete": every copier writes them after the
+#: data (and a deleter removes them, with the manifest, before it).
+FORMAT_MARKERS = (".metadata", "model.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def is_format_marker(rel: str) -> bool:
+    """Is ``rel`` a format's own commit marker (DCP ``.metadata``, an HF index)?
+
+    >>> is_format_marker("sub/.metadata"), is_format_marker("__0_0.distcp")
+    (True, False)
+    """
+    return rel.rsplit("/", 1)[-1] in FORMAT_MARKERS
+
+
+def write_order(names, sizes: dict[str, int]) -> list[str]:
+    """The order a copier writes files in: data, largest first (they take longest), then
+    the format markers.
+
+    >>> write_order([".metadata", "a", "b"], {".metadata": 1, "a": 5, "b": 9})
+    ['b', 'a', '.metadata']
+    """
+    data = sorted((n for n in names if not is_format_marker(n)), key=lambda n: (-sizes[n], n))
+    return data + sorted(n for n in names if is_format_marker(n))
+
+
 def manifest_for(ck, hashes: dict[str, tuple[str, int]], *, algo: str = "xxh3-128",
                  step: int | None = None, tags: list[str] | None = None,
                  base: str | None = None) -> Manifest:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import collections
 import datetime as dt
 import os
-import posixpath
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -52,7 +51,7 @@ from ..formats.manifest import MANIFEST, FileEntry, Manifest
 from ..formats.pack import (DATA_FILE_SIZE, MAX_DEPTH, PACK_INDEX, ChunkRef, PackIndex,
                             PackStore, Segment, data_name, is_pack, open_pack, relative_url)
 from ..storage import new_hasher, open_store
-from .commit import commit
+from .commit import commit, is_format_marker, write_order
 from .output import OutputDir
 
 #: Tensors smaller than this stay in the raw bytes around them: each chunk costs ~0.1 ms
@@ -60,8 +59,6 @@ from .output import OutputDir
 #: (a real model of 1,036 tensors, 848 under 1 KiB: pack 1.75x faster, ratio +1%).
 MIN_TENSOR_BYTES = 4096
 
-#: Files a reader looks for first: restored after every data file.
-COMMIT_MARKERS = (".metadata", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 
 @dataclass
@@ -545,12 +542,6 @@ def _encode_all(store, names, plans, man: Manifest, base_store, out: OutputDir, 
 # --------------------------------------------------------------------------- unpack
 
 
-def _order(names: list[str], sizes: dict[str, int]) -> list[str]:
-    data = sorted((n for n in names if posixpath.basename(n) not in COMMIT_MARKERS),
-                  key=lambda n: (-sizes[n], n))
-    return data + sorted(n for n in names if posixpath.basename(n) in COMMIT_MARKERS)
-
-
 def open_pack_url(url: str, storage_options: dict | None = None, *, base: str | None = None,
                   base_storage_options: dict | None = None,
                   workers: int | None = None) -> PackStore:
@@ -604,7 +595,7 @@ def unpack(pack_url: str, dst: str, *, base: str | None = None, workers: int | N
     if man.id != idx.source_id:
         raise FormatError(ps.display(MANIFEST), f"restored manifest is checkpoint {man.id}, the "
                           f"pack says {idx.source_id}", code="MANIFEST_MISMATCH")
-    names = _order(list(man.files), {r: f.size for r, f in man.files.items()})
+    names = write_order(list(man.files), {r: f.size for r, f in man.files.items()})
     if on_total:
         on_total(man.total_bytes)
     dstore = open_store(dst, dst_storage_options)
@@ -624,7 +615,7 @@ def unpack(pack_url: str, dst: str, *, base: str | None = None, workers: int | N
 
     try:
         with OutputDir(dstore, command="unpack", force=force, source=ps.url) as out:
-            data = [n for n in names if posixpath.basename(n) not in COMMIT_MARKERS]
+            data = [n for n in names if not is_format_marker(n)]
             out.map(one, data, par)
             for rel in names[len(data):]:
                 one(rel)

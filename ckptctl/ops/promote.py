@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 import socket
 import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
@@ -44,10 +43,8 @@ from ..storage.journal import Journal, journal_path_for
 from ..storage.ratelimit import RateLimiter, parse_rate
 from ..storage.store import Store, sync_dir
 from ..storage.transfer import DEFAULT_PART_SIZE, Transfer
-from .commit import commit
+from .commit import commit, is_format_marker, write_order
 
-#: Files a format reads as "this checkpoint is complete": they arrive after the data.
-COMMIT_MARKERS = (".metadata", "model.safetensors.index.json", "pytorch_model.bin.index.json")
 #: The journal of a local destination, inside the hidden work folder.
 JOURNAL = ".ckptctl-promote.jsonl"
 WORK_SUFFIX = ".ckptctl-promote"
@@ -86,17 +83,6 @@ class PromoteResult:
         doc = asdict(self)
         doc["bytes_per_second"] = round(self.rate)
         return doc
-
-
-def _order(names: list[str], sizes: dict[str, int]) -> list[str]:
-    """Data files, largest first (they take longest), then the commit markers.
-
-    >>> _order([".metadata", "a", "b"], {".metadata": 1, "a": 5, "b": 9})
-    ['b', 'a', '.metadata']
-    """
-    data = sorted((n for n in names if posixpath.basename(n) not in COMMIT_MARKERS),
-                  key=lambda n: (-sizes[n], n))
-    return data + sorted(n for n in names if posixpath.basename(n) in COMMIT_MARKERS)
 
 
 def _source(src: str, options: dict | None, *, dry_run: bool, workers: int):
@@ -280,7 +266,7 @@ def promote(src: str, dst: str, src_options: dict | None = None,
 
         names = [r for r in sfiles if not is_control_file(r) and not is_temp_name(r)]
         return PromoteResult(sstore.url, dst, "dry-run", "", False, len(names),
-                             sum(sfiles[r] for r in names), to_send=_order(names, sfiles),
+                             sum(sfiles[r] for r in names), to_send=write_order(names, sfiles),
                              bytes_to_send=sum(sfiles[r] for r in names),
                              seconds=round(time.monotonic() - t0, 3))
     d = _Destination(dst, dst_options, man, man.id)
@@ -310,7 +296,7 @@ def promote(src: str, dst: str, src_options: dict | None = None,
         present = {}
     todo = [rel for rel in man.files
             if journal.files.get(rel) != (man.files[rel].hash, man.files[rel].size)]
-    result.to_send = _order(todo, {r: f.size for r, f in man.files.items()})
+    result.to_send = write_order(todo, {r: f.size for r, f in man.files.items()})
     result.bytes_to_send = sum(man.files[r].size for r in todo)
     result.files_skipped = len(man.files) - len(todo)
     if dry_run:
@@ -325,11 +311,11 @@ def promote(src: str, dst: str, src_options: dict | None = None,
                  part_size=part_size, workers=workers, on_bytes=on_bytes)
     result.server_copy = t.server_copy
     try:
-        order = _order(list(man.files), {r: f.size for r, f in man.files.items()})
-        markers = [r for r in order if posixpath.basename(r) in COMMIT_MARKERS]
+        order = write_order(list(man.files), {r: f.size for r, f in man.files.items()})
+        markers = [r for r in order if is_format_marker(r)]
         data = [r for r in order if r not in markers]
         for batch in (data, markers):
-            for fc in _run(t, batch, man, workers):
+            for fc in copy_files(t, batch, man, workers):
                 if fc.how != "skipped":
                     result.files_sent += 1
                     result.bytes_sent += fc.sent
@@ -444,7 +430,7 @@ def _requests(store: Store) -> dict:
             "other": st.requests}
 
 
-def _run(t: Transfer, names: list[str], man: Manifest, workers: int):
+def copy_files(t: Transfer, names: list[str], man: Manifest, workers: int):
     """Copy ``names`` on ``workers`` threads; the first error stops the others (at their
     next part) and is raised once they stopped."""
     if not names:
