@@ -26,6 +26,12 @@ def watch(
     status: bool = typer.Option(False, "--status",
                                 help="Print what the watch of this config has queued, in "
                                      "flight, done and failed, with rates, and exit."),
+    node_rank: int | None = typer.Option(None, "--node-rank", min=0, metavar="N",
+                                         help="Multi-node: drain this node's part of each "
+                                              "checkpoint into the second (shared) tier, "
+                                              "where the node that completes it seals it "
+                                              "(default: GROUP_RANK, NODE_RANK or "
+                                              "SLURM_NODEID when set; else single node)."),
     no_nice: bool = typer.Option(False, "--no-nice",
                                  help="Run at normal priority (default: nice 10 and the idle "
                                       "I/O class)."),
@@ -54,6 +60,7 @@ def watch(
       ckptctl watch --config ckptctl.toml               # loop, low priority
       ckptctl watch --once --settle 0 --json            # cron: exit 1 while not drained
       ckptctl watch --status
+      ckptctl watch --node-rank 1                       # multi-node
     """
     from ..config import CONFIG_ENV, CONFIG_NAME
     from ..errors import UsageError
@@ -64,8 +71,12 @@ def watch(
     if config.path is None or not config.tiers:
         raise UsageError(f"no tier config: pass --config FILE, set {CONFIG_ENV} or create "
                          f"./{CONFIG_NAME}")
+    if node_rank is None:
+        from ..ops.multinode import node_rank_from_env
+
+        node_rank = node_rank_from_env()
     if status:
-        doc = read_status(config.path)
+        doc = read_status(config.path, node_rank)
         if json:
             emit_json({"config": config.path, "status": doc})
         elif not quiet:
@@ -73,7 +84,7 @@ def watch(
         return
     if not no_nice:
         lower_priority()
-    w = Watcher(config, settle=settle)
+    w = Watcher(config, settle=settle, node_rank=node_rank)
     w.lock()
     try:
         if once:

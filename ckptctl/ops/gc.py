@@ -110,7 +110,7 @@ def _last_touched(row: CheckpointRow) -> float | None:
     return max(times) if times else None
 
 
-def _items(rows: list[CheckpointRow], *, now: float, grace: float) -> list[Item]:
+def gc_items(rows: list[CheckpointRow], *, now: float, grace: float) -> list[Item]:
     """The policy's view of an ``ls``: committed checkpoints are dated by creation; an
     uncommitted one by the last time any of its files changed (looked up only when it
     would otherwise be old enough to go)."""
@@ -148,10 +148,13 @@ def protect_decision(decision: Decision, protect: dict[str, str],
 
 def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
        dry_run: bool = False, grace: float | str = DEFAULT_GRACE,
-       now: float | None = None, protect: dict[str, str] | None = None) -> GcResult:
+       now: float | None = None, protect: dict[str, str] | None = None,
+       listed: set[str] | None = None) -> GcResult:
     """Keep what ``policy`` and the rails keep under ``root``; remove the rest (``dry_run``:
     only say so). ``protect`` (name -> reason) is kept whatever the policy says
-    (:func:`protect_decision`; ``watch``: "not yet in TIER"). Raises UsageError (exit 2)
+    (:func:`protect_decision`; ``watch``: "not yet in TIER"). ``listed``: the names the
+    caller's rail was computed from; any other name found here (it appeared since) is kept
+    too, as the rail could not judge it. Raises UsageError (exit 2)
     on an empty policy, before anything is read.
 
     >>> import pathlib, tempfile, numpy as np
@@ -171,8 +174,11 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
     now = time.time() if now is None else now
     listing = ls(root, storage_options, manifests=True)
     rows = {r.name: r for r in listing.checkpoints}
-    items = _items(listing.checkpoints, now=now, grace=grace)
+    items = gc_items(listing.checkpoints, now=now, grace=grace)
     decision = apply_policy(items, policy, now=now, grace=grace)
+    if listed is not None:
+        protect = {**{n: "appeared after the listing" for n in rows if n not in listed},
+                   **(protect or {})}
     if protect:
         decision = protect_decision(decision, protect, [i.name for i in newest_first(items)])
     result = GcResult(listing.root, policy.describe(), dry_run, grace, now, decision)

@@ -114,9 +114,10 @@ def _iso(ts: float | None) -> str | None:
     return iso_utc(ts)
 
 
-def state_dir(config_path: str) -> str:
+def state_dir(config_path: str, node_rank: int | None = None) -> str:
     """Where watch keeps its log, status and lock for the config at ``config_path``:
-    ``$XDG_CACHE_HOME`` (default ``~/.cache``) ``/ckptctl/watch/<16 hex digits>``.
+    ``$XDG_CACHE_HOME`` (default ``~/.cache``) ``/ckptctl/watch/<16 hex digits>``, with
+    ``-node<N>`` for ``--node-rank N`` (a home directory shared by the nodes).
 
     >>> d = state_dir("/etc/ckptctl.toml")
     >>> d.split(os.sep)[-3:-1], len(os.path.basename(d))
@@ -124,22 +125,24 @@ def state_dir(config_path: str) -> str:
     """
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     digest = hashlib.sha256(os.path.abspath(config_path).encode()).hexdigest()[:16]
-    return os.path.join(base, "ckptctl", "watch", digest)
+    return os.path.join(base, "ckptctl", "watch", digest
+                        + ("" if node_rank is None else f"-node{node_rank}"))
 
 
-def read_status(config_path: str) -> dict | None:
+def read_status(config_path: str, node_rank: int | None = None) -> dict | None:
     """The status file of the watch of ``config_path``; None when no watch has run.
 
     >>> read_status("/no/such/config.toml") is None
     True
     """
+    path = os.path.join(state_dir(config_path, node_rank), "status.json")
     try:
-        with open(os.path.join(state_dir(config_path), "status.json")) as f:
+        with open(path) as f:
             return json.load(f)
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:
-        raise StorageError(os.path.join(state_dir(config_path), "status.json"),
+        raise StorageError(path,
                            f"cannot read the watch status ({e})") from None
 
 
@@ -147,7 +150,8 @@ class Watcher:
     """Drains the tiers of ``config`` (see the module docstring). ``settle``: seconds a
     first-tier checkpoint's listing must stay unchanged before it is taken (0: at once);
     ``backoff``: the first retry delay of a failed step (doubled per failure, at most
-    ``max_backoff``); ``clock``: the time source (tests).
+    ``max_backoff``); ``clock``: the time source (tests); ``node_rank``: multi-node, this
+    node's part of each checkpoint goes to the second tier (:mod:`.multinode`).
 
     >>> Watcher(Config("c.toml", ()))
     Traceback (most recent call last):
@@ -155,18 +159,25 @@ class Watcher:
     """
 
     def __init__(self, config: Config, *, settle: float = 30.0, backoff: float = BACKOFF_BASE,
-                 max_backoff: float = BACKOFF_MAX, clock=time.time):
+                 max_backoff: float = BACKOFF_MAX, clock=time.time,
+                 node_rank: int | None = None):
         if config.path is None:
             raise UsageError("no tier config to watch (pass --config FILE, set "
                              "CKPTCTL_CONFIG or create ./ckptctl.toml)")
         if not config.tiers:
             raise UsageError("no tiers to watch (define [[tier]] tables)", config.path)
+        if node_rank is not None and (node_rank < 0 or len(config.tiers) < 2):
+            raise UsageError("--node-rank needs a rank >= 0 and a shared tier after the "
+                             "first (a second [[tier]])", config.path)
+        #: multi-node: this node's part of each first-tier checkpoint goes to the shared
+        #: (second) tier, sealed there by whichever node completes it; None: single node
+        self.node_rank = node_rank
         self.config = config
         self.settle = float(settle)
         self.backoff = float(backoff)
         self.max_backoff = float(max_backoff)
         self.clock = clock
-        self.dir = state_dir(config.path)
+        self.dir = state_dir(config.path, node_rank)
         self.events_path = os.path.join(self.dir, "events.jsonl")
         self.status_path = os.path.join(self.dir, "status.json")
         self._lock_fd: int | None = None
@@ -334,6 +345,16 @@ class Watcher:
         from .seal import seal
 
         tiers = self.config.tiers
+        if self.node_rank is not None:
+            from .multinode import node_pass, retain_node
+
+            listings = node_pass(self, p)
+            if self.node_rank == 0:  # one node drains the shared tier further
+                self._hops(p, listings, set(), start=1)
+                for i in range(1, len(tiers)):
+                    self._retain(p, i, listings)
+            retain_node(self, p, listings)
+            return
         listings = [self._list(p, tiers[0])]
         first = listings[0]
         ready = self._ready(p, tiers[0], first) if first is not None else []
@@ -355,8 +376,15 @@ class Watcher:
             self._event("sealed", tier=tiers[0].name, name=name, url=r.url)
         if first is not None and p.sealed:
             listings[0] = first = self._list(p, tiers[0])
-        movable = set(ready)
-        for i in range(len(tiers) - 1):
+        self._hops(p, listings, set(ready))
+        for i, tier in enumerate(tiers):
+            self._retain(p, i, listings)
+
+    def _hops(self, p: WatchPass, listings: list, movable: set, start: int = 0) -> None:
+        """Promote hop by hop from tier ``start`` on, appending each next tier's listing
+        to ``listings``; from the first tier only the names in ``movable``."""
+        tiers = self.config.tiers
+        for i in range(start, len(tiers) - 1):
             src, dst = tiers[i], tiers[i + 1]
             rows = listings[i]
             after = self._list(p, dst)
@@ -375,8 +403,6 @@ class Watcher:
                 if any(h.dst == dst.name for h in p.promoted):
                     after = self._list(p, dst)
             listings.append(after)
-        for i, tier in enumerate(tiers):
-            self._retain(p, i, listings)
 
     def _hop(self, p: WatchPass, src: Tier, dst: Tier, row, name: str) -> bool:
         """Promote one checkpoint; False when it failed in a way that stops this tier
@@ -418,8 +444,6 @@ class Watcher:
 
     def _retain(self, p: WatchPass, i: int, listings: list) -> None:
         """Apply tier i's keep, with the "not yet in NEXT" rail."""
-        from .gc import gc
-        from .policy import Policy
 
         tier = self.config.tiers[i]
         if not tier.keep or not listings[i]:
@@ -436,9 +460,20 @@ class Watcher:
                     protect[name] = f"{nxt.name} cannot be listed"
                 elif not (name in after and after[name].state in COMMITTED):
                     protect[name] = f"not yet in {nxt.name}"
+        self._trim(p, key, tier, protect, set(listings[i]))
+
+    def _trim(self, p: WatchPass, key: str, tier, protect: dict[str, str], listed: set[str],
+              policy=None, **gc_kw) -> None:
+        """gc one tier with its keep table (or ``policy``), the ``protect`` rail, and
+        ``listed``: what this pass saw there, so a checkpoint written since (not judged by
+        the rail yet) is kept until the next pass."""
+        from .gc import gc
+        from .policy import Policy
+
         try:
-            r = gc(tier.url, Policy.from_dict(tier.keep, where=f"tier {tier.name}"),
-                   tier.storage_options, protect=protect)
+            policy = policy or Policy.from_dict(tier.keep, where=f"tier {tier.name}")
+            r = gc(tier.url, policy, tier.storage_options, protect=protect, listed=listed,
+                   **gc_kw)
         except (CkptError, OSError) as e:
             self._fail(p, key, "gc", tier.name, None, e)
             return

@@ -1,0 +1,280 @@
+"""``ckptctl watch`` end to end: a real training process (torch, CPU) saves DCP checkpoints
+into a hot directory while ``watch`` runs beside it in loop mode and drains them to warm
+(local) and cold (a loopback rclone S3 server, as packs). At the end every checkpoint the
+tiers' keep tables (with the "not yet in TIER" rail) keep is present and verifies in each
+tier, and nothing else is there; then the same with faults: watch SIGKILLed and restarted
+several times, the S3 server crashed and restarted on a new port (the config rewritten)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from s3server import fresh_fs, make_bucket, start_rclone
+
+from ckptctl.ops.ls import iso_utc, ls
+from ckptctl.ops.verify import verify
+from ckptctl.ops.watch import read_status
+
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN = ROOT / "tests" / "fixtures" / "train_loop.py"
+STEPS, EVERY = 200, 40
+ALL = [f"step-{s}" for s in range(EVERY, STEPS + 1, EVERY)]
+# hot keeps the last 2, warm the last 3, cold everything; after the drain nothing is
+# "not yet in" the next tier, so the rail keeps nothing more
+EXPECTED = {"hot": ALL[-2:], "warm": ALL[-3:], "cold": ALL}
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def test_gc_keeps_what_appeared_after_the_callers_listing(tmp_path):
+    """The race this file's first run found: watch computed its "not yet in warm" rail
+    from a listing of hot taken before a long pass, gc listed hot again and removed two
+    checkpoints written meanwhile that had never reached warm. ``listed`` keeps them."""
+    from conftest import dcp_save
+
+    from ckptctl.ops.gc import gc
+    from ckptctl.ops.policy import Policy
+
+    hot = tmp_path / "hot"
+    for s in (100, 200, 300, 400):
+        dcp_save(hot / f"step-{s}", {"w": torch_full(s), "step": s})
+    r = gc(str(hot), Policy(last=1), protect={"step-100": "not yet in warm"},
+           listed={"step-100", "step-400"})
+    assert r.decision.keep == {"step-400": ["last 1", "newest committed"],
+                               "step-300": ["appeared after the listing"],
+                               "step-200": ["appeared after the listing"],
+                               "step-100": ["not yet in warm"]}
+    assert r.decision.remove == [] and not r.removed
+    assert sorted(os.listdir(hot)) == ["step-100", "step-200", "step-300", "step-400"]
+    r = gc(str(hot), Policy(last=1), listed={"step-100", "step-200", "step-300", "step-400"})
+    assert sorted(os.listdir(hot)) == ["step-400"]
+
+
+def torch_full(v):
+    import torch
+
+    return torch.full((4,), float(v))
+
+
+def _write_config(tmp_path: Path, srv, bucket: str) -> Path:
+    """hot (keep last 2) -> warm (keep last 3) -> cold (S3, packs, keep everything); written
+    again (atomically) when the S3 server comes back on another port."""
+    opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in srv.storage_options.items()
+                     if not isinstance(v, dict))
+    text = (f'[[tier]]\nname = "hot"\nurl = "{tmp_path / "hot"}"\nkeep = {{ last = 2 }}\n'
+            f'[[tier]]\nname = "warm"\nurl = "{tmp_path / "warm"}"\nkeep = {{ last = 3 }}\n'
+            f'[[tier]]\nname = "cold"\nurl = "s3://{bucket}/run1"\npack = true\n'
+            f'storage_options = {{ {opts} }}\n')
+    path = tmp_path / "ckptctl.toml"
+    tmp = tmp_path / "ckptctl.toml.tmp"
+    tmp.write_text(text)
+    os.replace(tmp, path)
+    return path
+
+
+class _Watch:
+    """``ckptctl watch`` in loop mode as a subprocess (stderr kept per start)."""
+
+    def __init__(self, cfg: Path, env: dict, logdir: Path):
+        self.cfg, self.env, self.logdir = cfg, env, logdir
+        self.proc: subprocess.Popen | None = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.err = self.logdir / f"watch-{self.starts}.err"
+        with open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ckptctl", "--config", str(self.cfg), "watch",
+                 "--interval", "0.2", "--settle", "0.5", "--no-nice"],
+                stdout=subprocess.DEVNULL, stderr=err, env=self.env, cwd=ROOT)
+
+    def kill(self) -> None:
+        self.proc.kill()  # SIGKILL: no chance to clean up
+        self.proc.wait(10)
+
+    def term(self) -> int:
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(30)
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+def _train(hot: Path, sleep: float) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, str(TRAIN), str(hot), "--steps", str(STEPS), "--every", str(EVERY),
+         "--sleep", str(sleep)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _wait_drained(cfg: Path, env: dict, after: float, timeout: float) -> dict:
+    """Poll ``watch --status --json`` until a pass that started at or after ``after``
+    (whole seconds) ended drained; the status document."""
+    since = iso_utc(after + 1)
+    end = time.monotonic() + timeout
+    doc = None
+    while time.monotonic() < end:
+        r = subprocess.run([sys.executable, "-m", "ckptctl", "--config", str(cfg), "watch",
+                            "--status", "--json"], capture_output=True, text=True, env=env,
+                           cwd=ROOT, timeout=60)
+        assert r.returncode == 0, r.stderr
+        doc = json.loads(r.stdout)["status"]
+        last = (doc or {}).get("last_pass") or {}
+        if last.get("drained") and last["started"] >= since and not doc.get("failed"):
+            return doc
+        time.sleep(0.5)
+    pytest.fail(f"watch did not drain within {timeout:.0f} s; status: "
+                f"{json.dumps(doc, indent=1)}")
+
+
+def _check_tiers(tmp_path: Path, srv, bucket: str) -> None:
+    """Each tier holds exactly the expected checkpoints, all sealed, each verifying at
+    level full, and nothing else (no staging folder, journal or stray object)."""
+    opts = srv.storage_options
+    urls = {"hot": str(tmp_path / "hot"), "warm": str(tmp_path / "warm"),
+            "cold": f"s3://{bucket}/run1"}
+    for tier, url in urls.items():
+        o = opts if tier == "cold" else None
+        states = {r.name: r.state for r in ls(url, o).checkpoints}
+        assert states == {n: "sealed" for n in EXPECTED[tier]}, (tier, states)
+        for name in EXPECTED[tier]:
+            r = verify(f"{url}/{name}", o, level="full")
+            assert r.ok, (tier, name, r)
+    assert sorted(os.listdir(tmp_path / "hot")) == sorted(EXPECTED["hot"])
+    assert sorted(os.listdir(tmp_path / "warm")) == sorted(EXPECTED["warm"])
+    fs = fresh_fs(srv)
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/run1")) == sorted(ALL)
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(bucket)) == ["run1"]
+
+
+def _finish(tmp_path, cfg, env, watch: _Watch, train_end: float, srv, bucket, timeout):
+    doc = _wait_drained(cfg, env, train_end, timeout)
+    assert doc["in_flight"] is None and doc["queued"] == []
+    assert watch.term() == 0, watch.err.read_text()  # SIGTERM: exit 0
+    # a last pass by hand has nothing to do
+    r = subprocess.run([sys.executable, "-m", "ckptctl", "--config", str(cfg), "watch",
+                        "--once", "--settle", "0", "--no-nice", "--json"],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    p = json.loads(r.stdout)
+    assert p["drained"] and not p["promoted"] and not p["sealed"], p
+    assert not any(p["removed"].values()), p
+    _check_tiers(tmp_path, srv, bucket)
+
+
+def _events(tmp_path: Path) -> list[dict]:
+    """watch's event log so far (the one config of the test); [] before the first."""
+    root = tmp_path / "cache" / "ckptctl" / "watch"
+    if not root.exists() or not os.listdir(root):
+        return []
+    path = root / os.listdir(root)[0] / "events.jsonl"
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines(keepends=True)
+    # a line being appended right now has no newline yet
+    return [json.loads(x) for x in lines if x.endswith("\n")]
+
+
+def _start_s3(root: Path, bucket: str):
+    srv = start_rclone(root)
+    if not (root / bucket).exists():
+        make_bucket(srv, bucket)
+    return srv
+
+
+@pytest.mark.slow
+def test_training_with_watch_beside_it_drains_and_trims(tmp_path):
+    bucket = "e2e"
+    srv = _start_s3(tmp_path / "s3root", bucket)
+    (tmp_path / "hot").mkdir()
+    cfg = _write_config(tmp_path, srv, bucket)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    watch = _Watch(cfg, env, tmp_path)
+    train = None
+    try:
+        watch.start()
+        train = _train(tmp_path / "hot", sleep=0.02)
+        out, err = train.communicate(timeout=120)
+        assert train.returncode == 0, err
+        assert out.split() == [w for n in ALL for w in ("saved", n)]
+        train_end = time.time()
+        assert watch.proc.poll() is None, watch.err.read_text()
+        _finish(tmp_path, cfg, env, watch, train_end, srv, bucket, timeout=90)
+    finally:
+        if train is not None and train.poll() is None:
+            train.kill()
+            train.wait(10)
+        watch.cleanup()
+        srv.stop()
+
+
+@pytest.mark.slow
+def test_watch_killed_and_s3_restarted_during_training(tmp_path):
+    bucket = "e2e"
+    root = tmp_path / "s3root"
+    srv = _start_s3(root, bucket)
+    (tmp_path / "hot").mkdir()
+    cfg = _write_config(tmp_path, srv, bucket)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    watch = _Watch(cfg, env, tmp_path)
+    train = None
+    try:
+        watch.start()
+        train = _train(tmp_path / "hot", sleep=0.06)  # ~12 s of training
+        # watch SIGKILLed three times, restarted at once (a stale lock must not block)
+        for delay in (1.3, 0.9, 1.7):
+            time.sleep(delay)
+            assert watch.proc.poll() is None, watch.err.read_text()
+            watch.kill()
+            watch.start()
+        # the S3 server crashes; watch meets it down, then is killed; the server comes
+        # back on the same data under another port, the config follows, watch restarts
+        time.sleep(1.0)
+        srv.kill()
+        end = time.monotonic() + 60
+        while not any(e["event"] == "failed" and e["tier"] == "cold"
+                      for e in _events(tmp_path)):
+            assert time.monotonic() < end, "watch never met the S3 server down"
+            assert watch.proc.poll() is None, watch.err.read_text()
+            time.sleep(0.2)
+        watch.kill()
+        srv.stop()
+        srv = _start_s3(root, bucket)
+        cfg = _write_config(tmp_path, srv, bucket)
+        watch.start()
+        # one more SIGKILL while the backlog drains
+        time.sleep(1.5)
+        watch.kill()
+        watch.start()
+        out, err = train.communicate(timeout=120)
+        assert train.returncode == 0, err
+        assert out.split() == [w for n in ALL for w in ("saved", n)]
+        train_end = time.time()
+        # failures met while S3 was down are retried after their backoff (30 s)
+        _finish(tmp_path, cfg, env, watch, train_end, srv, bucket, timeout=120)
+        events = _events(tmp_path)
+        assert watch.starts == 6
+        assert any(e["event"] == "failed" and e["tier"] == "cold" for e in events), events
+        assert any(e["event"] == "recovered" for e in events), events
+        promoted = {(e["name"], e["dst"]) for e in events if e["event"] == "promoted"}
+        assert promoted == {(n, t) for n in ALL for t in ("warm", "cold")}
+        assert read_status(str(cfg))["in_flight"] is None
+    finally:
+        if train is not None and train.poll() is None:
+            train.kill()
+            train.wait(10)
+        watch.cleanup()
+        srv.stop()

@@ -1,0 +1,180 @@
+"""``watch --node-rank``: two nodes' hot tiers each hold part of ONE real DCP checkpoint;
+two watchers promote their parts into one shared tier, which is sealed exactly once, only
+after both parts arrived, and verifies; no hot tier loses its part before that commit."""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from pathlib import Path
+
+import pytest
+
+from ckptctl.config import load_config
+from ckptctl.formats.manifest import MANIFEST
+from ckptctl.ops.ls import ls
+from ckptctl.ops.multinode import node_rank_from_env
+from ckptctl.ops.verify import verify
+from ckptctl.ops.watch import Watcher
+
+
+@pytest.fixture(autouse=True)
+def _cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _split(tmp_path: Path, step: int = 100) -> dict[str, int]:
+    """One real DCP checkpoint (3 data files), split: node 0 gets .metadata + __0_0,
+    node 1 the rest. Returns the whole checkpoint's file sizes."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(step)
+    sd = {"model": {f"w{i}": torch.randn(64, 32, generator=g) for i in range(6)}, "step": step}
+    whole = tmp_path / "whole" / f"step-{step}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(whole), thread_count=3))
+    files = {p.name: p.stat().st_size for p in whole.iterdir()}
+    assert len([f for f in files if f.endswith(".distcp")]) >= 2, files
+    for node in (0, 1):
+        (tmp_path / f"hot{node}" / f"step-{step}").mkdir(parents=True)
+    for f in files:
+        node = 0 if f in (".metadata", "__0_0.distcp") else 1
+        shutil.copy(whole / f, tmp_path / f"hot{node}" / f"step-{step}" / f)
+    return files
+
+
+def _watchers(tmp_path: Path, s3=None) -> tuple[list[Watcher], str, dict | None]:
+    if s3 is None:
+        warm, opts, extra = str(tmp_path / "warm"), None, ""
+    else:
+        warm, opts = s3.url("shared"), s3.storage_options
+        extra = "storage_options = { " + ", ".join(
+            f"{k} = {json.dumps(v)}" for k, v in opts.items() if not isinstance(v, dict)) + " }\n"
+    ws = []
+    for node in (0, 1):
+        cfg = tmp_path / f"node{node}.toml"
+        cfg.write_text(f'[[tier]]\nname = "hot"\nurl = "{tmp_path / f"hot{node}"}"\n'
+                       'keep = { last = 1 }\n'
+                       f'[[tier]]\nname = "warm"\nurl = "{warm}"\n{extra}')
+        ws.append(Watcher(load_config(str(cfg)), settle=0, node_rank=node))
+    return ws, warm, (opts if s3 is not None else None)
+
+
+def _state(warm: str, opts) -> str | None:
+    rows = {r.name: r.state for r in ls(warm, opts).checkpoints}
+    return rows.get("step-100")
+
+
+def _check_done(ws, warm, opts, tmp_path, files):
+    url = warm.rstrip("/") + "/step-100"
+    assert _state(warm, opts) in ("sealed", "complete")
+    r = verify(url, opts, level="full")
+    assert not [x for x in r.problems if x.severity == "error"], r.problems
+    from ckptctl.storage import open_store
+
+    there = open_store(url, opts).list_files()
+    assert {k: v for k, v in there.items() if k != MANIFEST} == files
+    # both agree it is done: another pass of each is drained, and sealing happened once
+    for w in ws:
+        assert w.run_once().drained
+    sealed = [e for w in ws for e in map(json.loads, open(w.events_path)) if e["event"] == "sealed"]
+    assert len({e["manifest_id"] for e in sealed}) == 1  # one commit (a racing sealer agrees)
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_two_nodes_interleaved_local(tmp_path, order):
+    files = _split(tmp_path)
+    ws, warm, opts = _watchers(tmp_path)
+    first, second = ws[order[0]], ws[order[1]]
+    p = first.run_once()
+    assert not p.drained and not p.sealed
+    assert _state(warm, opts) == "incomplete"  # only one part arrived
+    assert (tmp_path / f"hot{order[0]}" / "step-100").is_dir()  # part kept
+    p = second.run_once()
+    assert p.sealed == ["step-100"]
+    _check_done(ws, warm, opts, tmp_path, files)
+    for node in (0, 1):  # keep last 1: the only checkpoint stays
+        assert (tmp_path / f"hot{node}" / "step-100").is_dir()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_two_nodes_concurrent(tmp_path, where, request):
+    """Both watchers' passes at once (threads), several times: whoever completes it seals
+    it; when both do, the second sealer finds the same id."""
+    files = _split(tmp_path)
+    s3 = request.getfixturevalue("s3_bucket") if where == "s3" else None
+    ws, warm, opts = _watchers(tmp_path, s3)
+    errors: list[BaseException] = []
+    start = threading.Barrier(2)
+
+    def run(w):
+        try:
+            start.wait(30)
+            for _ in range(2):  # the node whose copy ends last sees it complete
+                w.run_once()
+        except BaseException as e:  # re-raised in the main thread below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(w,)) for w in ws]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors
+    failed = [e for w in ws for e in map(json.loads, open(w.events_path)) if e["event"] == "failed"]
+    assert not failed, failed
+    _check_done(ws, warm, opts, tmp_path, files)
+
+
+def test_two_nodes_shared_tier_on_s3(tmp_path, s3_bucket):
+    files = _split(tmp_path)
+    ws, warm, opts = _watchers(tmp_path, s3_bucket)
+    assert not ws[1].run_once().sealed
+    assert _state(warm, opts) == "incomplete"
+    assert ws[0].run_once().sealed == ["step-100"]
+    _check_done(ws, warm, opts, tmp_path, files)
+
+
+def test_node_rank_from_env():
+    assert node_rank_from_env({"GROUP_RANK": "1", "SLURM_NODEID": "5"}) == 1
+    assert node_rank_from_env({"NODE_RANK": "0"}) == 0
+    assert node_rank_from_env({}) is None
+
+
+def test_hot_parts_kept_until_committed_with_this_nodes_hashes(tmp_path):
+    """keep last 1 in each hot tier: step-100 would go by the policy once step-200 is
+    there, but neither node drops its part of a checkpoint before the shared tier holds it
+    committed; afterwards the older part goes."""
+    _split(tmp_path, 100)
+    _split(tmp_path, 200)
+    ws, warm, opts = _watchers(tmp_path)
+    hot = [tmp_path / "hot0", tmp_path / "hot1"]
+    ws[1].run_once()
+    assert sorted(p.name for p in hot[1].iterdir()) == ["step-100", "step-200"]
+    assert _state(warm, opts) == "incomplete"
+    p = ws[0].run_once()
+    assert sorted(p.sealed) == ["step-100", "step-200"]
+    assert [x.name for x in hot[0].iterdir()] == ["step-200"]  # committed with its hashes
+    ws[1].run_once()
+    assert [x.name for x in hot[1].iterdir()] == ["step-200"]
+    for name in ("step-100", "step-200"):
+        r = verify(f"{warm}/{name}", None, level="full")
+        assert not [x for x in r.problems if x.severity == "error"], r.problems
+
+
+def test_env_fallback_and_cli_flag(tmp_path, monkeypatch):
+    """A one-node Slurm job stays single-node; ``--node-rank`` reaches the Watcher (a
+    one-tier config has no shared tier: exit 2)."""
+    from conftest import run_cli
+
+    assert node_rank_from_env({"SLURM_NODEID": "0", "SLURM_NNODES": "1"}) is None
+    assert node_rank_from_env({"SLURM_NODEID": "1", "SLURM_NNODES": "2"}) == 1
+    cfg = tmp_path / "one.toml"
+    cfg.write_text(f'[[tier]]\nname = "hot"\nurl = "{tmp_path / "hot"}"\n')
+    code, out, err = run_cli("--config", str(cfg), "watch", "--once", "--no-nice",
+                             "--node-rank", "1")
+    assert code == 2 and "--node-rank needs" in err, (code, out, err)
