@@ -5,16 +5,14 @@ from typing import List, Optional
 
 import typer
 
-from .common import (DstOpt, JsonOpt, QuietOpt, SrcOpt, StorageOpt, check_size, emit_json,
-                     human_bytes, plural, print_table, resolve_place, say)
+from .common import (DstOpt, ForceOpt, JsonOpt, QuietOpt, SrcOpt, StorageOpt, check_size,
+                     emit_json, human_bytes, plural, print_table, resolve_place, say)
 from .app import app
 from .progress import byte_progress
 
 MaxMemOpt = typer.Option("1GiB", "--max-memory", metavar="SIZE", callback=check_size,
                          help="Memory budget for tensor data (1GiB, 512MB, ...).")
 WorkersOpt = typer.Option(4, "--workers", min=1, help="Parallel readers/writers.")
-ForceOpt = typer.Option(False, "--force", help="Replace a non-empty DST (e.g. what a killed "
-                        "run left); its manifest and .metadata are removed first.")
 
 
 @app.command()

@@ -7,8 +7,8 @@ from typing import List, Optional
 import typer
 
 from .app import app
-from .common import (DstOpt, JsonOpt, QuietOpt, SrcOpt, StorageOpt, emit_json, human_bytes,
-                     plural, resolve_place, say)
+from .common import (DstOpt, ForceOpt, JsonOpt, QuietOpt, SrcOpt, StorageOpt, emit_json,
+                     human_bytes, plural, resolve_place, say)
 from .progress import byte_progress
 
 BaseOpt = typer.Option(None, "--base", metavar="BASE",
@@ -16,8 +16,6 @@ BaseOpt = typer.Option(None, "--base", metavar="BASE",
                             "tensors are stored as references, changed ones as XOR deltas.")
 WorkersOpt = typer.Option(None, "--workers", min=1, metavar="N",
                           help="Encoding/decoding threads (default: every core).")
-ForceOpt = typer.Option(False, "--force", help="Replace a non-empty DST (what a killed run "
-                        "left); its manifest goes first.")
 
 
 @app.command()

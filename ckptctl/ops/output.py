@@ -53,6 +53,34 @@ def _sync_dir(path: str) -> None:
         pass
 
 
+def run_jobs(fn: Callable, jobs: Iterable, workers: int, cancel: threading.Event, *,
+             name: str = "ckptctl") -> list:
+    """``[fn(job) for job in jobs]`` on ``workers`` threads. On the first error (or a Ctrl-C
+    in the waiting thread) ``cancel`` is set, jobs not started are dropped, and the error is
+    raised once the running ones stopped (they watch ``cancel``).
+
+    >>> import threading
+    >>> run_jobs(lambda x: x * 2, [1, 2, 3], 2, threading.Event())
+    [2, 4, 6]
+    """
+    jobs = list(jobs)
+    if not jobs:
+        return []
+    with ThreadPoolExecutor(max(1, min(workers, len(jobs))), thread_name_prefix=name) as pool:
+        futures = [pool.submit(fn, j) for j in jobs]
+        try:
+            wait(futures, return_when=FIRST_EXCEPTION)
+            for f in futures:
+                if f.done() and f.exception() is not None:
+                    raise f.exception()
+            return [f.result() for f in futures]
+        except BaseException:
+            cancel.set()
+            for f in futures:
+                f.cancel()
+            raise
+
+
 class _OutFile:
     """A binary file being written for :class:`OutputDir`: every write checks for
     cancellation, and a clean close makes the bytes durable before returning."""
@@ -215,22 +243,7 @@ class OutputDir:
         """``[fn(job) for job in jobs]`` on ``workers`` threads. On the first error (or a
         Ctrl-C in the waiting thread) the other jobs are cancelled at their next write
         and the error is raised once they stopped."""
-        jobs = list(jobs)
-        if not jobs:
-            return []
-        with ThreadPoolExecutor(max(1, min(workers, len(jobs)))) as pool:
-            futures = [pool.submit(fn, j) for j in jobs]
-            try:
-                wait(futures, return_when=FIRST_EXCEPTION)
-                for f in futures:
-                    if f.done() and f.exception() is not None:
-                        raise f.exception()
-                return [f.result() for f in futures]
-            except BaseException:
-                self.cancelled.set()
-                for f in futures:
-                    f.cancel()
-                raise
+        return run_jobs(fn, jobs, workers, self.cancelled)
 
     def commit(self) -> None:
         """Every data file and format marker is written: make the folder's entries

@@ -31,7 +31,6 @@ import json
 import os
 import socket
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -433,23 +432,10 @@ def _requests(store: Store) -> dict:
 def copy_files(t: Transfer, names: list[str], man: Manifest, workers: int):
     """Copy ``names`` on ``workers`` threads; the first error stops the others (at their
     next part) and is raised once they stopped."""
-    if not names:
-        return []
-    with ThreadPoolExecutor(max(1, min(workers, len(names))),
-                            thread_name_prefix="ckptctl-file") as pool:
-        futures = [pool.submit(t.copy, rel, man.files[rel].size, man.files[rel].hash)
-                   for rel in names]
-        try:
-            wait(futures, return_when=FIRST_EXCEPTION)
-            for f in futures:
-                if f.done() and f.exception() is not None:
-                    raise f.exception()
-            return [f.result() for f in futures]
-        except BaseException:
-            t.cancel.set()
-            for f in futures:
-                f.cancel()
-            raise
+    from .output import run_jobs
+
+    return run_jobs(lambda rel: t.copy(rel, man.files[rel].size, man.files[rel].hash),
+                    names, workers, t.cancel, name="ckptctl-file")
 
 
 def _adopt_published(journal: Journal, present: dict[str, int], man: Manifest) -> None:

@@ -668,17 +668,11 @@ class Store:
         self._count(writes=1, bytes_written=len(data))
 
     def _write_atomic_local(self, rel: str, full: str, data: bytes, exclusive: bool) -> None:
-        import tempfile
 
         folder = os.path.dirname(full)
         with self._errors(rel):
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(full)}.", suffix=".tmp",
-                                       dir=folder)
+            fd, tmp = _local_temp(full)
             try:
-                umask = os.umask(0)
-                os.umask(umask)
-                os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; publish like open() would
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
                     f.flush()
@@ -696,11 +690,7 @@ class Store:
             finally:
                 if tmp is not None and os.path.exists(tmp):
                     os.unlink(tmp)
-            dfd = os.open(folder, os.O_RDONLY)
-            try:
-                os.fsync(dfd)
-            finally:
-                os.close(dfd)
+            sync_dir(folder)
 
     def write_file(self, rel: str, blocks: Iterable[bytes | memoryview], *,
                    algo: str | None = "xxh3-128",
@@ -741,20 +731,12 @@ class Store:
                     on_bytes(n)
 
         if self.is_local:
-            import tempfile
-
             self._forget(rel)
             folder = os.path.dirname(full)
             with self._errors(rel):
-                os.makedirs(folder, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(full)}.", suffix=".tmp",
-                                           dir=folder)
+                fd, tmp = _local_temp(full)
             try:
                 with open(fd, "wb") as f:
-                    with self._errors(rel):
-                        umask = os.umask(0)
-                        os.umask(umask)
-                        os.fchmod(fd, 0o666 & ~umask)
                     each(f.write)
                     with self._errors(rel):
                         f.flush()
@@ -876,6 +858,21 @@ def _give_buffer(buf: bytearray) -> None:
         free = _tls.free = []
     if len(free) < 4:
         free.append(buf)
+
+
+def _local_temp(full: str) -> tuple[int, str]:
+    """A hidden temp file beside ``full`` (its folder made if needed), with the permissions
+    ``open()`` would give it (mkstemp makes 0600): what every atomic local write publishes
+    by rename."""
+    import tempfile
+
+    folder = os.path.dirname(full)
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(full)}.", suffix=".tmp", dir=folder)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.fchmod(fd, 0o666 & ~umask)
+    return fd, tmp
 
 
 def sync_dir(folder: str) -> None:
