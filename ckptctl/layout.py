@@ -17,6 +17,7 @@ parallel splits ``tp`` first, then ``dp``, torch's strided sharding).
 from __future__ import annotations
 
 import fnmatch
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -39,14 +40,19 @@ class Mesh:
         return math.prod(self.sizes)
 
     def coords(self, rank: int) -> tuple[int, ...]:
-        out = []
-        for s in reversed(self.sizes):
-            out.append(rank % s)
-            rank //= s
-        return tuple(reversed(out))
+        return _coords(self.sizes, rank)
 
     def __str__(self) -> str:
         return ",".join(f"{n}={s}" for n, s in zip(self.names, self.sizes))
+
+
+@functools.lru_cache(maxsize=1 << 16)  # the planner asks once per rank per tensor
+def _coords(sizes: tuple[int, ...], rank: int) -> tuple[int, ...]:
+    out = []
+    for s in reversed(sizes):
+        out.append(rank % s)
+        rank //= s
+    return tuple(reversed(out))
 
 
 def parse_mesh(spec: str) -> Mesh:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 # --------------------------------------------------------------------------- dtypes
 
@@ -101,8 +101,7 @@ def dtype_from_name(name: str) -> DType:
 # --------------------------------------------------------------------------- entries
 
 
-@dataclass(frozen=True)
-class Extent:
+class Extent(NamedTuple):
     """Where bytes live: a file (relative to the checkpoint root), a byte range in it and
     how those bytes are encoded.
 
@@ -110,6 +109,9 @@ class Extent:
     is a complete ``torch.save`` zip holding one storage, as DCP writes), ``torch_zip+zstd``
     (that zip compressed with zstd, DCP's ``stream.zstd/1``) or ``torch_save`` (an entry of a
     ``torch.save`` file, read through torch; ``offset``/``length`` are the whole file).
+
+    Extents and chunks are named tuples, not dataclasses: a 10,000-rank checkpoint has
+    hundreds of thousands of each, and a tuple is the most compact immutable record.
     """
 
     file: str
@@ -118,8 +120,7 @@ class Extent:
     encoding: str = "raw"
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """An N-D box of a tensor (``offsets``, ``sizes`` in elements) and its bytes."""
 
     offsets: tuple[int, ...]

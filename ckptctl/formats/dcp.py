@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 
+from ..bulk import paused_gc
 from ..errors import FormatError, NotFoundError, UnsafeInputError
 from ..model import DTYPES, Checkpoint, Chunk, Extent, ObjectEntry, TensorEntry
 from ..storage import Store, safe_relpath
@@ -65,21 +66,41 @@ def _dtype_of(props, where, fqn):
     return DTYPES[str(dtype)]
 
 
-def _extent(info, where, fqn) -> Extent:
-    rel = _attr(info, "relative_path", where, str)
-    off = _attr(info, "offset", where, int)
-    length = _attr(info, "length", where, int)
+def _extent(info, where, fqn, paths: dict[str, str]) -> Extent:
+    """The byte range a storage entry names; ``paths`` caches each checked file name
+    (a 10,000-rank checkpoint names each of its files thirty times or more)."""
+    d = info.__dict__ if isinstance(info, Record) else {}
+    rel, off, length = d.get("relative_path"), d.get("offset"), d.get("length")
+    if not (type(rel) is str and type(off) is int and type(length) is int):
+        rel = _attr(info, "relative_path", where, str)
+        off = _attr(info, "offset", where, int)
+        length = _attr(info, "length", where, int)
     if off < 0 or length < 0:
         raise FormatError(where, f"{fqn}: negative byte range")
-    rel = safe_relpath(rel, where=f"{where}: {fqn}")
-    transforms = info.__dict__.get("transform_descriptors") or ()
+    safe = paths.get(rel)
+    if safe is None:
+        safe = paths[rel] = safe_relpath(rel, where=f"{where}: {fqn}")
+    transforms = d.get("transform_descriptors") or ()
     encoding = "torch_zip"
     for t in transforms:
         if t == ZSTD_TRANSFORM:
             encoding = "torch_zip+zstd"
         else:
             raise FormatError(where, f"{fqn}: unsupported DCP transform {t!r}")
-    return Extent(rel, off, length, encoding)
+    return Extent(safe, off, length, encoding)
+
+
+def _box(c, where, fqn, sizes_seen: dict) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A chunk record's (offsets, sizes), checked; equal sizes tuples are shared."""
+    d = c.__dict__ if isinstance(c, Record) else {}
+    offs, sizes = d.get("offsets"), d.get("sizes")
+    if type(offs) is tuple and type(sizes) is tuple:  # torch.Size unpickles to a tuple
+        shared = sizes_seen.get(sizes)
+        if shared is not None and all(type(v) is int and v >= 0 for v in offs):
+            return offs, shared
+    offs = _ints(_attr(c, "offsets", where), where, f"{fqn}: chunk offsets")
+    sizes = _ints(_attr(c, "sizes", where), where, f"{fqn}: chunk sizes")
+    return offs, sizes_seen.setdefault(sizes, sizes)
 
 
 def checkpoint_from_metadata(md: Record, root: str, *, where: str = METADATA) -> Checkpoint:
@@ -87,11 +108,15 @@ def checkpoint_from_metadata(md: Record, root: str, *, where: str = METADATA) ->
     sdm = _attr(md, "state_dict_metadata", where, dict)
     storage = _attr(md, "storage_data", where, dict) if md.__dict__.get("storage_data") is not None else {}
     by_key: dict[tuple, Extent] = {}
+    paths: dict[str, str] = {}
     for idx, info in storage.items():
-        fqn = _attr(idx, "fqn", where, str)
-        offset = idx.__dict__.get("offset")
+        d = idx.__dict__ if isinstance(idx, Record) else {}
+        fqn = d.get("fqn")
+        if type(fqn) is not str:
+            fqn = _attr(idx, "fqn", where, str)
+        offset = d.get("offset")
         key = (fqn, tuple(offset) if offset is not None else None)
-        by_key[key] = _extent(info, where, fqn)
+        by_key[key] = _extent(info, where, fqn, paths)
     ck = Checkpoint(root=root, format="dcp")
     ck.info["version"] = md.__dict__.get("version")
     pd = md.__dict__.get("planner_data")
@@ -100,6 +125,7 @@ def checkpoint_from_metadata(md: Record, root: str, *, where: str = METADATA) ->
                             if isinstance(k, str) and isinstance(v, (tuple, list))
                             and all(isinstance(p, (str, int)) and not isinstance(p, bool)
                                     for p in v)}  # a hint only: anything else is ignored
+    sizes_seen: dict[tuple, tuple] = {}
     for fqn, meta in sdm.items():
         if not isinstance(fqn, str):
             raise FormatError(where, "state dict key is not a string")
@@ -114,10 +140,10 @@ def checkpoint_from_metadata(md: Record, root: str, *, where: str = METADATA) ->
         check_shape(shape, dtype, where=f"{where}: {fqn}")
         chunks = []
         seen: set[tuple[int, ...]] = set()
+        nd = len(shape)
         for c in _attr(meta, "chunks", where, list):
-            offs = _ints(_attr(c, "offsets", where), where, f"{fqn}: chunk offsets")
-            sizes = _ints(_attr(c, "sizes", where), where, f"{fqn}: chunk sizes")
-            if len(offs) != len(shape) or len(sizes) != len(shape):
+            offs, sizes = _box(c, where, fqn, sizes_seen)
+            if len(offs) != nd or len(sizes) != nd:
                 raise FormatError(where, f"{fqn}: chunk rank differs from the tensor's")
             if offs in seen:  # one storage entry per offset: a second listing overlaps it
                 # (stop here: a pickle's memo makes a million listings cost a 2 MB file)
@@ -145,8 +171,8 @@ def read_dcp(store: Store, files: dict[str, int] | None = None, *,
         raise FormatError(where, "missing: the checkpoint was never committed",
                           code="NOT_COMMITTED")
     data = store.read(METADATA)
-    md = parse_metadata(data, where=where)
-    ck = checkpoint_from_metadata(md, store.url, where=where)
+    with paused_gc():
+        ck = checkpoint_from_metadata(parse_metadata(data, where=where), store.url, where=where)
     ck.files = ck_files
     ck.store = store
     if strict:

@@ -16,28 +16,37 @@ from ..errors import FormatError, UnsafeInputError
 
 
 class Record:
-    """An inert object rebuilt from a pickled class instance: attributes only, no methods."""
+    """An inert object rebuilt from a pickled class instance: attributes only, no methods.
+
+    Its state goes into ``__dict__`` by the C unpickler itself (no ``__setstate__``): a
+    10,000-rank ``.metadata`` holds about a million such records."""
 
     _cls_name = "Record"
 
     def __init__(self, *args, **kwargs):  # only reached through REDUCE of a hostile pickle
         self._args = args
 
+    def __repr__(self):
+        return f"{self._cls_name}({self.__dict__})"
+
+
+class StateRecord(Record):
+    """A :class:`Record` of a class that pickles a non-dict state (kept as ``_state``)."""
+
     def __setstate__(self, state):
         if isinstance(state, tuple) and len(state) == 2 and (
                 state[0] is None or isinstance(state[0], dict)) and isinstance(state[1], dict):
             state = {**(state[0] or {}), **state[1]}  # (dict, slots) form
         if isinstance(state, dict):
-            self.__dict__.update({str(k): v for k, v in state.items()})
+            self.__dict__.update(state)
         else:
             self.__dict__["_state"] = state
 
-    def __repr__(self):
-        return f"{self._cls_name}({self.__dict__})"
 
-
-def record_class(name: str) -> type:
-    return type(name, (Record,), {"_cls_name": name})
+def record_class(name: str, *, state: bool = False) -> type:
+    """A :class:`Record` subclass named ``name``; ``state``: the class pickles a
+    non-dict state (a tuple from ``__getstate__``)."""
+    return type(name, (StateRecord if state else Record,), {"_cls_name": name})
 
 
 class TorchName(str):
@@ -84,12 +93,6 @@ def loads_primitive(data: bytes, *, where: str = "") -> object:
 
 # --------------------------------------------------------------------------- DCP metadata
 
-def _torch_size(*args):
-    if len(args) != 1 or not isinstance(args[0], (list, tuple)):
-        raise UnsafeInputError(None, "torch.Size with unexpected arguments")
-    return tuple(args[0])
-
-
 def _path(*parts):
     if not all(isinstance(p, str) for p in parts):
         raise UnsafeInputError(None, "path with unexpected arguments")
@@ -110,14 +113,16 @@ def dcp_allowed_globals(dtype_names) -> dict[tuple[str, str], object]:
     md = "torch.distributed.checkpoint.metadata"
     for cls in ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
                 "ChunkStorageMetadata", "TensorProperties", "StorageMeta"):
-        allowed[(md, cls)] = record_class(cls)
+        allowed[(md, cls)] = record_class(cls, state=cls == "TensorProperties")
     allowed[("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties")] = (
         allowed[(md, "TensorProperties")])
     allowed[("torch.distributed._shard.metadata", "ShardMetadata")] = record_class("ShardMetadata")
     allowed[(md, "_MEM_FORMAT_ENCODING")] = _enum_value
     allowed[("torch.distributed.checkpoint.filesystem", "_StorageInfo")] = record_class(
         "_StorageInfo")
-    allowed[("torch", "Size")] = _torch_size
+    # torch.Size(list) -> a plain tuple, built in C (a 10,000-rank .metadata has about a
+    # million); what it holds is checked where it is used, like any other field
+    allowed[("torch", "Size")] = tuple
     allowed[("torch.serialization", "_get_layout")] = _layout
     for cls in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"):
         allowed[("pathlib", cls)] = _path

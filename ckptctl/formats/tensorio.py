@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 
@@ -128,17 +129,28 @@ def check_stored(t: TensorEntry, c: Chunk, st: StoredTensor, storage_bytes: int,
         raise FormatError(where, f"{t.name}: strided sub-byte tensor", code="MALFORMED_CHUNK")
 
 
-def locate_payload(ck: Checkpoint, ext: Extent) -> Payload:
+#: ``read(rel, start, end) -> bytes``: where :func:`locate_payload` gets its bytes.
+RangeReader = Callable[[str, int, int], bytes]
+
+
+def locate_payload(ck: Checkpoint, ext: Extent, *, read: RangeReader | None = None,
+                   cache: bool = True, pickles: dict | None = None) -> Payload:
     """The :class:`Payload` of an uncompressed DCP chunk zip, from two small reads (the
     zip's tail, then its head: ``data.pkl`` and the tensor record's local header), cached
-    per checkpoint; the tensor bytes themselves are not read."""
+    per checkpoint; the tensor bytes themselves are not read.
+
+    For checking many chunks at once (``verify``): ``read`` serves the bytes (e.g. from a
+    whole small file read once), ``cache=False`` keeps nothing per chunk, and ``pickles``
+    maps ``data.pkl`` bytes already parsed to their result (chunks of one tensor mostly
+    share them)."""
     if ext.encoding != "torch_zip":
         raise FormatError(ck.store.display(ext.file), f"{ext.encoding} bytes cannot be sliced")
-    cache = ck.info.setdefault("payloads", {})
-    if ext in cache:
-        return cache[ext]
+    store_cache = ck.info.setdefault("payloads", {}) if cache else {}
+    if ext in store_cache:
+        return store_cache[ext]
+    read = read or ck.store.read_range
     where = ck.store.display(ext.file)
-    entries = zip_entries(ck, ext)
+    entries = zip_entries(ck, ext, read=read)
     en = payload_entry(entries, where=where)
     pkl = [e for e in entries if e.name.endswith("/data.pkl") or e.name == "data.pkl"]
     if len(pkl) != 1 or pkl[0].method != 0:
@@ -147,14 +159,14 @@ def locate_payload(ck: Checkpoint, ext: Extent) -> Payload:
     # sit in the first 64 KiB, as torch writes them; else read each.
     head_end = max(en.header_offset + 30 + 256, pkl[0].header_offset + 30 + 256 + pkl[0].usize)
     if head_end <= 1 << 16:
-        head = ck.store.read_range(ext.file, ext.offset, ext.offset + min(head_end, ext.length))
+        head = read(ext.file, ext.offset, ext.offset + min(head_end, ext.length))
         hdr = head[en.header_offset:]
         pkl_hdr = head[pkl[0].header_offset:]
     else:
-        hdr = ck.store.read_range(ext.file, ext.offset + en.header_offset,
-                                  ext.offset + en.header_offset + 30 + 256)
-        pkl_hdr = ck.store.read_range(ext.file, ext.offset + pkl[0].header_offset,
-                                      ext.offset + pkl[0].header_offset + 30 + 256 + pkl[0].usize)
+        hdr = read(ext.file, ext.offset + en.header_offset,
+                   ext.offset + en.header_offset + 30 + 256)
+        pkl_hdr = read(ext.file, ext.offset + pkl[0].header_offset,
+                       ext.offset + pkl[0].header_offset + 30 + 256 + pkl[0].usize)
     off = local_data_offset(hdr, en, where=where)
     if off + en.usize > ext.length:
         raise FormatError(where, "tensor record runs past the end of its zip", code="OUT_OF_BOUNDS")
@@ -162,23 +174,28 @@ def locate_payload(ck: Checkpoint, ext: Extent) -> Payload:
     pkl_bytes = pkl_hdr[poff:poff + pkl[0].usize]
     if len(pkl_bytes) != pkl[0].usize:  # long names or extras: read it where it is
         at = ext.offset + pkl[0].header_offset + poff
-        pkl_bytes = ck.store.read_range(ext.file, at, min(at + pkl[0].usize, ext.offset + ext.length))
+        pkl_bytes = read(ext.file, at, min(at + pkl[0].usize, ext.offset + ext.length))
     if len(pkl_bytes) != pkl[0].usize:
         raise FormatError(where, "data.pkl is truncated", code="MALFORMED_CHUNK")
-    stored = parse_tensor_pickle(pkl_bytes, where=where)
-    p = cache[ext] = Payload(ext.offset + off, en.usize, stored, tuple(entries))
+    stored = pickles.get(pkl_bytes) if pickles is not None else None
+    if stored is None:
+        stored = parse_tensor_pickle(pkl_bytes, where=where)
+        if pickles is not None and len(pickles) < 1 << 16:
+            pickles[bytes(pkl_bytes)] = stored
+    p = store_cache[ext] = Payload(ext.offset + off, en.usize, stored, tuple(entries))
     return p
 
 
-def zip_entries(ck: Checkpoint, ext: Extent) -> list[ZipEntry]:
+def zip_entries(ck: Checkpoint, ext: Extent, *, read: RangeReader | None = None) -> list[ZipEntry]:
     """The central directory of the zip an extent (or a whole torch.save file) holds:
     one small read of its tail (two if the directory is large)."""
+    read = read or ck.store.read_range
     where = ck.store.display(ext.file)
     end = ext.offset + ext.length
-    tail = ck.store.read_range(ext.file, max(ext.offset, end - TAIL_GUESS), end)
+    tail = read(ext.file, max(ext.offset, end - TAIL_GUESS), end)
     entries, need = central_directory(tail, ext.length, where=where)
     if need:
-        tail = ck.store.read_range(ext.file, end - need, end)
+        tail = read(ext.file, end - need, end)
         entries, _ = central_directory(tail, ext.length, where=where)
     return entries
 

@@ -57,6 +57,11 @@ def _zip64_extra(extra: bytes, need: list[str], vals: dict) -> None:
         i += 4 + size
 
 
+#: A central-directory record's fixed 46 bytes: signature, method, CRC-32, compressed and
+#: uncompressed sizes, name/extra/comment lengths, local header offset (one unpack each).
+_CDIR = struct.Struct("<4s6xH4xIIIHHH8xI")
+
+
 def central_directory(tail: bytes, zip_len: int, *, where: str = "") -> tuple[list[ZipEntry], int]:
     """Parse the central directory from the last bytes of a zip of length ``zip_len``.
 
@@ -86,20 +91,20 @@ def central_directory(tail: bytes, zip_len: int, *, where: str = "") -> tuple[li
         return [], zip_len - cd_off
     entries = []
     for _ in range(total):
-        if tail[i:i + 4] != CDIR_SIG:
-            raise FormatError(where or None, "central directory is corrupt")
         if i + 46 > len(tail):
+            if tail[i:i + 4] != CDIR_SIG:
+                raise FormatError(where or None, "central directory is corrupt")
             raise FormatError(where or None, "central directory is truncated")
-        (method, crc, csize, usize, nlen, xlen, clen, hoff) = (
-            struct.unpack_from("<H", tail, i + 10)[0],
-            *struct.unpack_from("<IIIHHH", tail, i + 16),
-            struct.unpack_from("<I", tail, i + 42)[0])
+        sig, method, crc, csize, usize, nlen, xlen, clen, hoff = _CDIR.unpack_from(tail, i)
+        if sig != CDIR_SIG:
+            raise FormatError(where or None, "central directory is corrupt")
         name = tail[i + 46:i + 46 + nlen].decode("utf-8", "replace")
-        vals = {"usize": usize, "csize": csize, "hoff": hoff}
-        need = [k for k in ("usize", "csize", "hoff") if vals[k] == 0xFFFFFFFF]
-        if need:
+        if 0xFFFFFFFF in (usize, csize, hoff):
+            vals = {"usize": usize, "csize": csize, "hoff": hoff}
+            need = [k for k in ("usize", "csize", "hoff") if vals[k] == 0xFFFFFFFF]
             _zip64_extra(tail[i + 46 + nlen:i + 46 + nlen + xlen], need, vals)
-        entries.append(ZipEntry(name, method, vals["csize"], vals["usize"], vals["hoff"], crc))
+            usize, csize, hoff = vals["usize"], vals["csize"], vals["hoff"]
+        entries.append(ZipEntry(name, method, csize, usize, hoff, crc))
         i += 46 + nlen + xlen + clen
     return entries, 0
 

@@ -410,18 +410,58 @@ def _hash_proven(cka, ckb, ta, tb) -> bool:
     return True
 
 
-def _target(ta, ca, tb):
+def _target(pair: "_Pair", ca):
     """Chunk ``ca`` of A as a reshard target assembled from B's chunks."""
-    from ..boxes import intersect, relative
-    from .planner import Piece, TargetChunk
+    from .planner import TargetChunk, pieces_for
 
-    box = (ca.offsets, ca.sizes)
-    pieces = []
-    for cb in tb.chunks:
-        got = intersect(box, (cb.offsets, cb.sizes))
-        if got is not None:
-            pieces.append(Piece(cb, relative(got, cb.offsets), relative(got, ca.offsets), got[1]))
-    return TargetChunk(tb.name, tb.dtype, 0, ca.offsets, ca.sizes, tuple(pieces))
+    tb = pair.tb
+    return TargetChunk(tb.name, tb.dtype, 0, ca.offsets, ca.sizes,
+                       pieces_for(tb, ca.offsets, ca.sizes, pair.index))
+
+
+#: Files whose chunks average less than this are compared whole first (see _equal_files).
+SMALL_CHUNKS = 1 << 20
+
+
+def _equal_files(cka, ckb, pairs: list["_Pair"], workers: int) -> set[tuple[int, tuple]]:
+    """Chunks proven identical by comparing whole files: where A and B hold a tensor's box
+    at the same extent of a file of the same size, and the two files are byte-equal, every
+    chunk stored there is identical, so nothing is decoded. Only for files of many small
+    chunks (thousands of ranks), where per-chunk work dominates; a file that differs is left
+    to the chunk-by-chunk comparison. Returns ``(id(pair), offsets)`` of the proven chunks.
+    """
+    same: dict[str, list[tuple[int, tuple]]] = {}
+    count: dict[str, int] = {}
+    for p in pairs:
+        at_b = {c.offsets: c for c in p.tb.chunks}
+        for ca in p.ta.chunks:
+            count[ca.extent.file] = count.get(ca.extent.file, 0) + 1
+            cb = at_b.get(ca.offsets)
+            if cb is not None and cb.sizes == ca.sizes and cb.extent == ca.extent:
+                same.setdefault(ca.extent.file, []).append((id(p), ca.offsets))
+    files = [rel for rel, keys in same.items()
+             if cka.files.get(rel) is not None and cka.files.get(rel) == ckb.files.get(rel)
+             and cka.files[rel] < SMALL_CHUNKS * count[rel]]
+
+    def equal(rel: str) -> bool:
+        a = cka.store.iter_blocks(rel)
+        b = ckb.store.iter_blocks(rel)
+        for x in a:
+            x = bytes(x)  # blocks are only valid until the next one of the same thread
+            pos = 0
+            while pos < len(x):
+                y = next(b, None)
+                if y is None or x[pos:pos + len(y)] != y:
+                    return False
+                pos += len(y)
+        return next(b, None) is None
+
+    out: set[tuple[int, tuple]] = set()
+    with ThreadPoolExecutor(max(1, workers)) as pool:
+        for rel, ok in zip(files, pool.map(equal, files)):
+            if ok:
+                out.update(same[rel])
+    return out
 
 
 def _check_cover(ck, t) -> None:
@@ -439,7 +479,10 @@ class _Pair:
     """One tensor present on both sides with the same dtype and shape."""
 
     def __init__(self, row: EntryDiff, ta, tb):
+        from .planner import chunk_index
+
         self.row, self.ta, self.tb = row, ta, tb
+        self.index = chunk_index(tb)  # B's chunks, found per box of A without a scan
         self.stats = _Stats()
         self.compared = 0
         self.differs = False  # a block differed: later identical blocks add ||b|| at once
@@ -457,7 +500,7 @@ def _compare_chunk(job, cka, ckb, budget, atol, rtol, on_bytes) -> None:
     st = _Stats()
     if not ca.sizes or dtype.bits % 8:  # a scalar, or packed sub-byte: whole, small
         a = chunk_bytes(cka, ta, ca)
-        tc = _target(ta, ca, tb)
+        tc = _target(pair, ca)
         if len(tc.pieces) != 1 or tc.pieces[0].sizes != tc.pieces[0].src.sizes:
             from ..errors import UnsupportedFormatError
 
@@ -472,7 +515,7 @@ def _compare_chunk(job, cka, ckb, budget, atol, rtol, on_bytes) -> None:
         if on_bytes:
             on_bytes(len(a))
         return
-    tc = _target(ta, ca, tb)
+    tc = _target(pair, ca)
     inner = math.prod(ca.sizes[1:])
     row = dtype.nbytes(inner)
     brow = max([dtype.nbytes(math.prod(p.src.sizes[1:])) for p in tc.pieces] or [row])
@@ -720,7 +763,15 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
     for p in pairs_todo:
         _check_cover(cka, p.ta)
         _check_cover(ckb, p.tb)
-        jobs += [(p, c) for c in p.ta.chunks if c.numel]
+    proven = _equal_files(cka, ckb, pairs_todo, workers)
+    for p in pairs_todo:
+        for c in p.ta.chunks:
+            if (id(p), c.offsets) in proven:
+                p.compared += c.numel * p.ta.dtype.itemsize
+                if on_bytes:
+                    on_bytes(c.numel * p.ta.dtype.itemsize)
+            elif c.numel:
+                jobs.append((p, c))
     workers = max(1, min(workers, len(jobs) or 1, max_memory // (4 << 20) or 1))
     budget = max(64 << 10, min(16 << 20, max_memory // (4 * workers)))
     if on_total:

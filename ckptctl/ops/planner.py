@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Mapping
 
-from ..boxes import intersect, numel, relative
+from ..bulk import paused_gc
+from ..boxes import BoxIndex, numel, relative
 from ..errors import FormatError, ProblemCode
 from ..layout import Mesh, Placement, Rules, local_box
 from ..model import Checkpoint, Chunk, DType, TensorEntry
@@ -84,17 +85,23 @@ class Plan:
         return rows
 
 
-def pieces_for(t: TensorEntry, offsets, sizes) -> tuple[Piece, ...]:
-    """The pieces of ``t``'s source chunks that cover the box ``offsets``/``sizes``."""
+def chunk_index(t: TensorEntry) -> BoxIndex:
+    """A :class:`~ckptctl.boxes.BoxIndex` of ``t``'s chunks, for :func:`pieces_for`."""
+    return BoxIndex([(c.offsets, c.sizes) for c in t.chunks])
+
+
+def pieces_for(t: TensorEntry, offsets, sizes, index: BoxIndex | None = None) -> tuple[Piece, ...]:
+    """The pieces of ``t``'s source chunks that cover the box ``offsets``/``sizes``.
+
+    ``index``: :func:`chunk_index` of ``t``, built once when many boxes are cut from it.
+    """
     if not sizes:  # 0-dim: the one chunk
         return (Piece(t.chunks[0], (), (), ()),) if t.chunks else ()
     box = (tuple(offsets), tuple(sizes))
     out = []
     covered = 0
-    for c in t.chunks:
-        hit = intersect(box, (c.offsets, c.sizes))
-        if hit is None:
-            continue
+    for i, hit in (index or chunk_index(t)).hits(box):
+        c = t.chunks[i]
         out.append(Piece(c, relative(hit, c.offsets), relative(hit, box[0]), hit[1]))
         covered += numel(hit)
     want = numel(box)
@@ -112,6 +119,11 @@ def make_plan(ck: Checkpoint, rules: Rules, *, only: set[str] | None = None) -> 
     Every placement is validated before anything is read or written; a rule that does not
     fit a tensor raises :class:`~ckptctl.errors.UsageError` naming both.
     """
+    with paused_gc():
+        return _make_plan(ck, rules, only)
+
+
+def _make_plan(ck: Checkpoint, rules: Rules, only: set[str] | None) -> Plan:
     mesh = rules.mesh
     placed: dict[str, Placement] = {}
     for name, t in ck.tensors.items():
@@ -120,6 +132,7 @@ def make_plan(ck: Checkpoint, rules: Rules, *, only: set[str] | None = None) -> 
     chunks: list[TargetChunk] = []
     for name, p in placed.items():
         t = ck.tensors[name]
+        index = chunk_index(t)
         seen: set[tuple] = set()
         for rank in range(mesh.world_size):
             offs, sizes = local_box(t.shape, p, mesh, rank)
@@ -130,7 +143,7 @@ def make_plan(ck: Checkpoint, rules: Rules, *, only: set[str] | None = None) -> 
             if empty and t.numel:
                 continue  # ranks left with nothing of this tensor hold no chunk
             chunks.append(TargetChunk(name, t.dtype, rank, offs, sizes,
-                                      () if empty else pieces_for(t, offs, sizes)))
+                                      () if empty else pieces_for(t, offs, sizes, index)))
     return Plan(mesh, tuple(chunks),
                 MappingProxyType({n: p.describe(mesh) for n, p in placed.items()}),
                 tuple(sorted(n for n in ck.objects if only is None or n in only)))
