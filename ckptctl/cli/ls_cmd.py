@@ -29,7 +29,7 @@ def ls(
     from ..ops import ls as do_ls
 
     place = resolve_place(ctx, root, storage_option)
-    r = do_ls(place.url, place.storage_options)
+    r = do_ls(place.url, place.storage_options, check="auto")  # remote: from the listing
     if json:
         emit_json(r.to_dict())
         return

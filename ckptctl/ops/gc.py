@@ -5,9 +5,12 @@ manifests for tags, ids and pack bases), one pure decision
 (:func:`~ckptctl.ops.policy.apply_policy`; checkpoints in different folders are different
 series, so a root holding several runs keeps each run's newest and last N), then each
 checkpoint to remove is deleted
-marker first (:func:`~ckptctl.ops.remove.remove_checkpoint`), oldest first. Unfinished
-multipart uploads under the root older than the grace period are aborted (S3; ckptctl's
-own hidden ``.upload`` files locally). ``dry_run`` computes the very same plan and
+marker first (:func:`~ckptctl.ops.remove.remove_checkpoint`), oldest first; on a remote
+root, many at once in phases across them (:func:`remove_batched`: DeleteObjects batches
+of up to 1,000 keys). A big remote root is classified from its one listing (``ls``'s
+``check="auto"``) and only the rows the decision rests on are read (:func:`settle`).
+Unfinished multipart uploads under the root older than the grace period are aborted (S3;
+ckptctl's own hidden ``.upload`` files locally). ``dry_run`` computes the very same plan and
 deletes nothing: a real run right after does exactly what it printed.
 
 >>> r = gc("/ckpt/run1", Policy(last=3), dry_run=True)         # doctest: +SKIP
@@ -128,6 +131,110 @@ def gc_items(rows: list[CheckpointRow], *, now: float, grace: float) -> list[Ite
     return items
 
 
+def settle(rows: list[CheckpointRow], policy: Policy, storage_options: dict | None = None,
+           *, now: float, grace: float) -> tuple[list[CheckpointRow], list[Item], Decision]:
+    """The decision over an ``ls`` whose rows may come from the listing alone
+    (``exact`` False), reading only the rows it rests on: ``(rows, items, decision)``,
+    the same decision as if every checkpoint had been read (steps taken from names).
+
+    Read (:func:`~ckptctl.ops.ls.confirm`, with manifests), until nothing changes: every
+    provisional row the policy keeps for being committed (the newest, the last N, one per
+    block of steps; a row kept only for its pin needs no read), and every provisional one
+    to be removed that changed within the grace period (if it read as incomplete it would
+    stay). Tags and creation times live in manifests: a policy with ``tags``, ``within``,
+    ``hourly`` or ``daily`` reads every provisional row; so does a kept pack whose base is
+    not among the rows read (the base is found by its id).
+
+    >>> rows, items, d = settle(ls("s3://b/run", check="listing").checkpoints,
+    ...                         Policy(last=2), now=time.time(), grace=86400)  # doctest: +SKIP
+    """
+    from .ls import confirm
+
+    rows = list(rows)
+    if any(not r.exact for r in rows) and (policy.tags or policy.within or policy.hourly
+                                           or policy.daily):
+        rows = confirm(rows, storage_options, manifests=True)
+    while True:
+        items = gc_items(rows, now=now, grace=grace)
+        decision = apply_policy(items, policy, now=now, grace=grace)
+        todo = _unsettled(rows, items, decision, now=now, grace=grace)
+        if not todo:
+            return rows, items, decision
+        idx = [i for i, r in enumerate(rows) if r.name in todo]
+        for i, r in zip(idx, confirm([rows[i] for i in idx], storage_options, manifests=True)):
+            rows[i] = r
+
+
+def _unsettled(rows: list[CheckpointRow], items: list[Item], decision: Decision, *,
+               now: float, grace: float) -> set[str]:
+    """The provisional rows whose reading could change ``decision`` (see :func:`settle`)."""
+    todo = set()
+    for r in rows:
+        if r.exact:
+            continue
+        reasons = decision.keep.get(r.name)
+        if reasons is not None:
+            if reasons != ["pinned"]:
+                todo.add(r.name)
+        elif r.located:
+            touched = _last_touched(r)  # the listing's times: no request
+            if touched is not None and now - touched < grace:
+                todo.add(r.name)
+    ids = {i.id for i in items if i.id}
+    if any(i.base and i.base not in ids for i in items if i.name in decision.keep):
+        todo |= {r.name for r in rows if not r.exact}
+    return todo
+
+
+def remove_batched(store, rows: list[CheckpointRow]) -> None:
+    """Delete many checkpoints under one remote root (``store``) in few requests, each
+    checkpoint in :func:`~ckptctl.ops.remove.remove_checkpoint`'s order, done as phases
+    across all of them: a ``.ckptctl-writing`` marker first where needed (one PUT each, S3
+    has no batch write; in parallel; not for a checkpoint with a format marker of its own or
+    a single data file), then every manifest, then every ``.metadata`` / index
+    (each commit marker rank its own DeleteObjects batches, of up to 1,000 keys), then all
+    data (pins last), then the writing markers. A crash at any moment leaves each
+    checkpoint whole or ``incomplete``. A pinned one is refused (exit 1) before anything
+    is written.
+
+    >>> remove_batched(open_store("s3://b/run"), doomed_rows)     # doctest: +SKIP
+    """
+    import json
+    import os
+    import socket
+    from concurrent.futures import ThreadPoolExecutor
+
+    from ..errors import Finding
+    from ..formats.manifest import PIN_FILE, WRITING_MARKER
+    from .commit import is_format_marker
+    from .remove import COMMIT_MARKERS, deletion_order
+
+    plans = []
+    for r in rows:
+        files = r.located[1]
+        if PIN_FILE in files:
+            raise Finding(r.url, "pinned; unpin it first (ckptctl unpin)")
+        order = deletion_order(files)
+        markers = [rel for rel in order if rel.rsplit("/", 1)[-1] in COMMIT_MARKERS]
+        plans.append((r.name, markers, order[len(markers):]))
+    doc = {"pid": os.getpid(), "host": socket.gethostname(),
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "command": "gc"}
+    marker = (json.dumps(doc) + "\n").encode()
+    # The writing marker is only needed where deleting the commit markers first does not
+    # already make the rest read as incomplete: with the format's own marker (.metadata,
+    # an HF index) gone, or a single data file (one delete), no marker costs a PUT each.
+    names = [name for name, markers, rest in plans
+             if not (any(is_format_marker(m) and "/" not in m for m in markers) or len(rest) <= 1)]
+    if names:
+        with ThreadPoolExecutor(min(16, len(names))) as pool:
+            list(pool.map(lambda n: store.write_atomic(f"{n}/{WRITING_MARKER}", marker), names))
+    for k in range(max((len(m) for _, m, _ in plans), default=0)):
+        store.remove_many([f"{n}/{m[k]}" for n, m, _ in plans if k < len(m)])
+    store.remove_many([f"{n}/{rel}" for n, _, rest in plans for rel in rest])
+    if names:
+        store.remove_many([f"{n}/{WRITING_MARKER}" for n in names])
+
+
 def protect_decision(decision: Decision, protect: dict[str, str],
                      order: list[str]) -> Decision:
     """``decision`` with every name of ``protect`` kept, its reason added; ``order`` is
@@ -172,10 +279,10 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
                          "everything)")
     grace = parse_duration(grace) if isinstance(grace, str) else float(grace)
     now = time.time() if now is None else now
-    listing = ls(root, storage_options, manifests=True)
-    rows = {r.name: r for r in listing.checkpoints}
-    items = gc_items(listing.checkpoints, now=now, grace=grace)
-    decision = apply_policy(items, policy, now=now, grace=grace)
+    listing = ls(root, storage_options, manifests=True, check="auto")
+    settled, items, decision = settle(listing.checkpoints, policy, storage_options, now=now,
+                                      grace=grace)
+    rows = {r.name: r for r in settled}
     if listed is not None:
         protect = {**{n: "appeared after the listing" for n in rows if n not in listed},
                    **(protect or {})}
@@ -191,9 +298,16 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
     if not dry_run:
         from .remove import remove_checkpoint
 
-        for name in reversed(decision.remove):  # oldest first
-            store, files, single = rows[name].located
-            remove_checkpoint(store, files, single=single)
+        doomed = [rows[name] for name in reversed(decision.remove)]  # oldest first
+        if len(doomed) > 1 and all(not r.located[0].is_local and r.located[2] is None
+                                   and r.url != listing.root for r in doomed):
+            from ..storage import open_store
+
+            remove_batched(open_store(root, storage_options), doomed)
+        else:
+            for r in doomed:
+                store, files, single = r.located
+                remove_checkpoint(store, files, single=single)
     _uploads(result, root, storage_options, now=now, grace=grace, dry_run=dry_run)
     return result
 

@@ -6,6 +6,12 @@ highest step, then the newest commit time, then the name (natural order). With
 ``verified``, candidates are checked newest first with ``verify --level full`` (content
 hashes, or every zip record's CRC) and the first that passes is the answer.
 
+On a remote root the listing alone ranks the candidates (``ls(check="listing")``): only
+the newest few are read (their manifest or format metadata), so 10,000 checkpoints on S3
+cost about ten LIST requests and a handful of GETs. A candidate that reads as damaged
+drops out and the next is read, so the answer is the one a full read of every checkpoint
+would give (steps are taken from names like ``step-1200`` until a checkpoint is read).
+
 >>> r = latest("/ckpt/run1")                                  # doctest: +SKIP
 >>> r.url                                                     # doctest: +SKIP
 '/ckpt/run1/step-12000'
@@ -14,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from .ls import CheckpointRow, ls
+from .ls import CheckpointRow, confirm, ls
 from .policy import Item, newest_first
 
 
@@ -61,9 +67,18 @@ def latest(root: str, storage_options: dict | None = None, *,
     >>> latest(tempfile.mkdtemp()).url is None
     True
     """
-    listing = ls(root, storage_options)
-    rejected = []
-    for row in committed_newest_first(listing.checkpoints):
+    listing = ls(root, storage_options, check="auto")
+    rows = listing.checkpoints
+    rejected: list[dict] = []
+    tried: set[str] = set()
+    while True:
+        row = next((r for r in committed_newest_first(rows) if r.name not in tried), None)
+        if row is None:
+            return LatestResult(listing.root, None, rejected=rejected)
+        if not row.exact:  # from the listing alone: read it (and the next few) for real
+            rows = _confirm_newest(rows, tried, storage_options)
+            continue
+        tried.add(row.name)
         if verified:
             from .verify import verify
 
@@ -76,4 +91,22 @@ def latest(root: str, storage_options: dict | None = None, *,
                                  "path": p.path})
                 continue
         return LatestResult(listing.root, row.url, row.name, row.step, row.state, rejected)
-    return LatestResult(listing.root, None, rejected=rejected)
+
+
+#: Provisional candidates ``latest`` reads at once (in parallel): the newest one is nearly
+#: always the answer, a few more cover a damaged newest without another round trip each.
+CONFIRM_AHEAD = 2
+
+
+def _confirm_newest(rows: list[CheckpointRow], tried: set[str],
+                    storage_options: dict | None) -> list[CheckpointRow]:
+    """``rows`` with the newest few provisional committed candidates read for real."""
+    todo = {r.name for r in committed_newest_first(rows)
+            if r.name not in tried and not r.exact}
+    pick = [r.name for r in committed_newest_first(rows) if r.name in todo][:CONFIRM_AHEAD]
+    idx = [i for i, r in enumerate(rows) if r.name in pick]
+    fresh = confirm([rows[i] for i in idx], storage_options)
+    out = list(rows)
+    for i, r in zip(idx, fresh):
+        out[i] = r
+    return out

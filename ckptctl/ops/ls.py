@@ -1,7 +1,19 @@
 """``ls``: every checkpoint under a root, with its step, format, state, size and time.
 
-One recursive listing finds the candidates; each is then classified from its metadata
-(one or two small reads each, no tensor data).
+One recursive listing finds the candidates (paginated on S3: one LIST per 1,000 keys).
+Each is then classified (``check``):
+
+* ``quick``: from its metadata, as ``verify --level quick`` does (one or two small reads
+  each, no tensor data): what ``auto`` does on local stores, where reads cost no request,
+  and on remote roots of up to :data:`QUICK_LIMIT` checkpoints;
+* ``listing``: from that one listing alone, wherever it can tell: a ``.ckptctl-writing``
+  marker is ``incomplete``; a manifest, or DCP's ``.metadata`` / safetensors files, is a
+  *provisional* ``sealed`` / ``complete`` (``CheckpointRow.exact`` False: the files those
+  name were not read), with the step from the name (``step-1200``). A checkpoint whose name
+  carries no step, a pack, a lone file, or a folder missing its commit marker is checked as
+  ``quick`` does. What ``auto`` does on bigger remote roots: 10,000 checkpoints on S3 cost
+  ~40 LISTs, not 19,000 GETs. :func:`confirm` checks provisional rows for real; ``latest``
+  and ``gc`` call it on the few rows their answer rests on.
 
 >>> [c.name for c in ls("runs/llama").checkpoints]           # doctest: +SKIP
 ['step-100', 'step-200']
@@ -17,10 +29,19 @@ from dataclasses import dataclass, field, fields
 from ..errors import CkptError, NotFoundError, StorageError, UnsupportedFormatError
 from ..formats.detect import detect_format, not_a_checkpoint, step_from_name
 from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest
+from ..formats.pack import is_pack
 from ..formats.torchsave import is_torch_file
 from ..model import natural_key
 from ..storage import open_store
-from .state import CORRUPT, UNKNOWN, StateReport, checkpoint_state
+from .state import (COMPLETE, CORRUPT, INCOMPLETE, SEALED, UNKNOWN, StateReport,
+                    checkpoint_state)
+
+#: ``check`` values of :func:`ls` (``auto``: ``quick`` on local stores and on remote roots
+#: of at most :data:`QUICK_LIMIT` checkpoints, ``listing`` on bigger remote roots)
+CHECKS = ("auto", "quick", "listing")
+#: Up to this many checkpoints, ``auto`` reads each one even on a remote root (2-3 small
+#: GETs each, a second or two): a step entry then wins over the name, as ``inspect`` says.
+QUICK_LIMIT = 100
 
 _HF_BIN = re.compile(r"^pytorch_model(-\d+-of-\d+)?\.bin$")
 
@@ -45,6 +66,9 @@ class CheckpointRow:
                                   metadata={"json": False})
     manifest: Manifest | None = field(default=None, repr=False, compare=False,
                                       metadata={"json": False})
+    #: False: ``state`` (and ``step``) come from the listing alone (``ls(check="listing")``),
+    #: a sealed or complete one unread (:func:`confirm` reads it); not in --json
+    exact: bool = field(default=True, repr=False, compare=False, metadata={"json": False})
 
     def to_dict(self) -> dict:
         doc = {f.name: getattr(self, f.name) for f in fields(self)
@@ -86,34 +110,92 @@ def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
         d, base = posixpath.split(rel)
         by_dir.setdefault(d, {})[base] = size
     found: dict[str, dict[str, int]] = {}
+    folders: set[str] = set()  # checkpoint folders other than the root: files added below
+
+    def inside_one(d: str) -> bool:  # below a checkpoint folder found already (sorted first)
+        p = posixpath.dirname(d)
+        while p:
+            if p in found:
+                return True
+            p = posixpath.dirname(p)
+        return False
+
+    def take(d: str) -> None:
+        if d:
+            found[d] = {}
+            folders.add(d)
+        else:
+            found[d] = dict(files)
+
     for d in sorted(by_dir):
-        if any(d == c or d.startswith(c + "/") for c in found if c):
-            continue  # inside a checkpoint already found
+        if d and inside_one(d):
+            continue
         own = by_dir[d]
         fmt = detect_format(own)
         if fmt in ("dcp", "safetensors", "composite", "pack") \
                 or (fmt is None and MANIFEST in own) \
                 or WRITING_MARKER in own:  # an unfinished ckptctl write is listed incomplete
-            found[d] = {k: v for k, v in files.items() if d == "" or k.startswith(d + "/")}
+            take(d)
         elif fmt == "torch":
             if any(_HF_BIN.match(f) for f in own):
-                found[d] = {k: v for k, v in files.items() if d == "" or k.startswith(d + "/")}
+                take(d)
             else:
                 for f in own:
                     if is_torch_file(f):
                         found[posixpath.join(d, f)] = {posixpath.join(d, f): own[f]}
+    if folders:  # each file to the one folder above it that is a checkpoint (no nesting)
+        for rel, size in files.items():
+            p = posixpath.dirname(rel)
+            while p:
+                if p in folders:
+                    found[p][rel] = size
+                    break
+                p = posixpath.dirname(p)
     return found
 
 
 def _located(store, rel: str, group: dict[str, int]) -> tuple:
     """What :func:`~ckptctl.formats.detect.locate` would return for one candidate, cut
-    from the root's listing: the checkpoint is classified without listing it again."""
+    from the root's listing: the checkpoint is classified without listing it again (and
+    dated from the listing's modification times, no HEAD each)."""
     if rel in group:  # a lone torch.save file
         d, name = posixpath.split(rel)
-        return (store.child(d) if d else store), {name: group[rel]}, name
+        return (store.child(d, listed={rel: name}) if d else store), {name: group[rel]}, name
     if not rel:
         return store, dict(group), None
-    return store.child(rel), {k[len(rel) + 1:]: v for k, v in group.items()}, None
+    return (store.child(rel, listed={k: k[len(rel) + 1:] for k in group}),
+            {k[len(rel) + 1:]: v for k, v in group.items()}, None)
+
+
+def listing_state(files: dict[str, int], where: str) -> tuple[StateReport, bool] | None:
+    """A checkpoint folder's state from its listing alone, and whether that is final
+    (``exact``); None where only reading it can tell (a pack, a folder without a commit
+    marker, formats whose completeness the names do not show). ``where``: the folder's URL.
+
+    >>> listing_state({".ckptctl-writing": 9, "__0_0.distcp": 5}, "r/s")[0].state
+    'incomplete'
+    >>> r, exact = listing_state({"ckptctl.manifest.json": 9, ".metadata": 1}, "r/s")
+    >>> r.state, r.format, exact
+    ('sealed', 'dcp', False)
+    >>> listing_state({"__0_0.distcp": 5}, "r/s") is None
+    True
+    """
+    fmt = detect_format(files)
+    if WRITING_MARKER in files:  # verify stops there: the very words it would use
+        return StateReport(INCOMPLETE, f"NOT_COMMITTED: {where}/{WRITING_MARKER}: a ckptctl "
+                           "writer did not finish; rerun with --force", fmt, None), True
+    if is_pack(files) or fmt not in ("dcp", "safetensors") \
+            or any(is_torch_file(f) for f in files if "/" not in f):
+        return None  # .bin next to safetensors: only reading tells what they are
+    if fmt == "safetensors" and "model.safetensors.index.json" in files:
+        fmt = "hf-safetensors"  # as the reader names it
+    if MANIFEST in files:
+        return StateReport(SEALED, "manifest present (from the listing: not read; "
+                           "`ckptctl verify` checks it)", fmt, None), False
+    if fmt == "dcp" and ".metadata" not in files:
+        return None  # incomplete or corrupt: reading tells which (no request for it here)
+    return StateReport(COMPLETE, "format metadata present (from the listing: not read; "
+                       "`ckptctl verify` checks it)", fmt, None), False
 
 
 def _lone_file(store, root: str, storage_options: dict | None) -> tuple:
@@ -129,12 +211,16 @@ def _lone_file(store, root: str, storage_options: dict | None) -> tuple:
 
 
 def ls(root: str, storage_options: dict | None = None, *, workers: int = 8,
-       manifests: bool = False) -> LsResult:
+       manifests: bool = False, check: str = "quick") -> LsResult:
     """List the checkpoints under ``root``, sorted by step, then name in natural order
     (:func:`~ckptctl.model.natural_key`). Files with a checkpoint's suffix that are no
     checkpoint (TorchScript archives, ``.pth`` path files) are skipped, not called corrupt.
     ``manifests``: also hand back each sealed checkpoint's manifest (``gc``: tags, ids,
-    pack bases), read from what classifying it fetched (no new request on S3)."""
+    pack bases), read from what classifying it fetched (no new request on S3); rows
+    classified from the listing (``check``, see the module docstring) carry none until
+    :func:`confirm`."""
+    if check not in CHECKS:
+        raise ValueError(f"check must be one of {CHECKS}, not {check!r}")
     store = open_store(root, storage_options)
     files = store.list_files()
     shown_root, lone = store.url, False
@@ -147,51 +233,124 @@ def ls(root: str, storage_options: dict | None = None, *, workers: int = 8,
     if lone and "" in groups:  # one safetensors file: listed as itself, not as its folder
         groups = {next(iter(files)): groups[""]}
 
+    if check == "auto":
+        check = "quick" if store.is_local or len(groups) <= QUICK_LIMIT else "listing"
     skipped: dict[str, str] = {}
+    ctx = _Ctx(store, root, storage_options, manifests, skipped)
+    quick = []
+    rows = []
+    for rel in sorted(groups):
+        row = ctx.from_listing(rel, groups[rel]) if check == "listing" else None
+        if row is None:
+            quick.append(rel)
+        else:
+            rows.append(row)
+    if quick:
+        with ThreadPoolExecutor(max(1, min(workers, len(quick)))) as pool:
+            rows += [r for r in pool.map(lambda rel: ctx.row(rel, groups[rel]), quick)
+                     if r is not None]
+    if lone and not rows:
+        raise UnsupportedFormatError(root, f"not a checkpoint: {next(iter(skipped.values()))}")
+    rows.sort(key=lambda r: (r.step is None, r.step if r.step is not None else 0,
+                             natural_key(r.name)))
+    return LsResult(shown_root, rows)
 
-    def row(rel: str) -> CheckpointRow | None:
+
+def confirm(rows: list[CheckpointRow], storage_options: dict | None = None, *,
+            manifests: bool = False, workers: int = 8) -> list[CheckpointRow]:
+    """``rows`` of an ``ls`` with each provisional one (``exact`` False) classified by
+    reading it, as ``ls(check="quick")`` would have (the same row; its manifest too with
+    ``manifests``); exact rows come back as they are, in the same order. Nothing is listed
+    again: the files are the listing's.
+
+    >>> fresh = confirm(ls("s3://b/run", check="listing").checkpoints[-2:])  # doctest: +SKIP
+    """
+    todo = [i for i, r in enumerate(rows) if not r.exact]
+    if not todo:
+        return list(rows)
+    out = list(rows)
+
+    def one(i: int) -> CheckpointRow:
+        r = rows[i]
+        rep, step, fmt, manifest = _Ctx(None, r.url, storage_options, manifests,
+                                        {}).classify(r.name, r.url, r.located)
+        return CheckpointRow(r.name, r.url, step, fmt or r.format, rep.state, rep.reason,
+                             r.bytes, r.num_files, r.modified, r.pinned, r.located, manifest)
+
+    with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
+        for i, row in zip(todo, pool.map(one, todo)):
+            out[i] = row
+    return out
+
+
+class _Ctx:
+    """What every row of one ``ls`` shares: the root's store, options and findings."""
+
+    def __init__(self, store, root: str, storage_options, manifests: bool, skipped: dict):
+        self.store, self.root, self.opts = store, root, storage_options
+        self.manifests, self.skipped = manifests, skipped
+
+    def _common(self, rel: str, group: dict[str, int]):
+        store = self.store
         url = store.display(rel) if rel else store.url
-        located = _located(store, rel, groups[rel])
+        located = _located(store, rel, group)
+        marker = max(group, key=lambda k: (k.endswith((MANIFEST, ".metadata")), k))
         try:
-            rep = checkpoint_state(url, storage_options, located=located)
+            mtime = store.modified(marker)
+        except Exception:  # noqa: BLE001 - a missing mtime is not worth failing ls
+            mtime = None
+        own = located[1]
+        pinned = not located[2] and PIN_FILE in own
+        content = [v for k, v in own.items() if not (pinned and k == PIN_FILE)]
+        return url, located, mtime, pinned, content
+
+    def from_listing(self, rel: str, group: dict[str, int]) -> CheckpointRow | None:
+        """The row from the listing alone, or None where it must be read."""
+        if not rel or rel in group:  # the root itself, or a lone file
+            return None
+        step = step_from_name(rel)
+        if step is None:  # only reading tells the step (manifest, step entry)
+            return None
+        found = listing_state({k[len(rel) + 1:]: v for k, v in group.items()},
+                              self.store.display(rel))
+        if found is None:
+            return None
+        rep, exact = found
+        url, located, mtime, pinned, content = self._common(rel, group)
+        return CheckpointRow(rel, url, step, rep.format, rep.state, rep.reason, sum(content),
+                             len(content), mtime, pinned, located, None, exact)
+
+    def classify(self, rel: str, url: str, located: tuple):
+        """(StateReport, step, format, manifest) by reading the checkpoint (``quick``)."""
+        try:
+            rep = checkpoint_state(url, self.opts, located=located)
         except StorageError:
             raise  # the storage itself failed: not a finding about one checkpoint
         except CkptError as e:  # one bad checkpoint never hides the others
             rep = StateReport(CORRUPT, f"{e.code}: {e}", None, None)
-        if rep.state in (CORRUPT, UNKNOWN) and rel in groups[rel]:  # a lone file unloaded:
-            why = not_a_checkpoint(store, rel, groups[rel][rel])  # TorchScript, .pth text?
-            if why:  # not listed (healthy files cost no extra read)
-                skipped[rel] = why
-                return None
-        step = rep.step if rep.step is not None else step_from_name(rel or root)
-        fmt = rep.format or detect_format(  # a lone file keeps its name (relpath gives ".")
-            {posixpath.basename(k) if k == rel else posixpath.relpath(k, rel) if rel else k: v
-             for k, v in groups[rel].items()})
-        mtime = None
-        marker = max(groups[rel], key=lambda k: (k.endswith((MANIFEST, ".metadata")), k))
-        try:
-            mtime = store.modified(marker)
-        except Exception:  # noqa: BLE001 - a missing mtime is not worth failing ls
-            pass
+        step = rep.step if rep.step is not None else step_from_name(rel or self.root)
         manifest = None
-        if manifests and rep.state == "sealed":
+        if self.manifests and rep.state == "sealed":
             try:
                 manifest = Manifest.read(located[0], located[1])
             except StorageError:
                 raise
             except CkptError:  # changed since it was classified: no tags, id or base
                 pass
-        own = located[1]
-        pinned = not located[2] and PIN_FILE in own
-        content = [v for k, v in own.items() if not (pinned and k == PIN_FILE)]
-        return CheckpointRow(rel or posixpath.basename(root.rstrip("/")), url, step, fmt,
+        return rep, step, rep.format, manifest
+
+    def row(self, rel: str, group: dict[str, int]) -> CheckpointRow | None:
+        """The row by reading the checkpoint (``quick``), None for a skipped file."""
+        url, located, mtime, pinned, content = self._common(rel, group)
+        rep, step, fmt, manifest = self.classify(rel, url, located)
+        if rep.state in (CORRUPT, UNKNOWN) and rel in group:  # a lone file unloaded:
+            why = not_a_checkpoint(self.store, rel, group[rel])  # TorchScript, .pth text?
+            if why:  # not listed (healthy files cost no extra read)
+                self.skipped[rel] = why
+                return None
+        fmt = fmt or detect_format(  # a lone file keeps its name (relpath gives ".")
+            {posixpath.basename(k) if k == rel else posixpath.relpath(k, rel) if rel else k: v
+             for k, v in group.items()})
+        return CheckpointRow(rel or posixpath.basename(self.root.rstrip("/")), url, step, fmt,
                              rep.state, rep.reason, sum(content), len(content), mtime,
                              pinned, located, manifest)
-
-    with ThreadPoolExecutor(max(1, min(workers, len(groups)))) as pool:
-        rows = [r for r in pool.map(row, sorted(groups)) if r is not None]
-    if lone and not rows:
-        raise UnsupportedFormatError(root, f"not a checkpoint: {next(iter(skipped.values()))}")
-    rows.sort(key=lambda r: (r.step is None, r.step if r.step is not None else 0,
-                             natural_key(r.name)))
-    return LsResult(shown_root, rows)

@@ -272,7 +272,7 @@ class Store:
         self.stats = IOStats()
         self._lock = threading.Lock()
         self._small: "SmallFileCache | None" = None
-        self._fds: dict[str, int] = {}
+        self._fds: dict[str, list[int]] = {}  # rel -> [descriptor, readers using it now]
         #: remote files' modification times from the last listing that showed them: ``ls``
         #: and ``gc`` date checkpoints without one HEAD request each
         self._mtimes: dict[str, float] = {}
@@ -315,9 +315,16 @@ class Store:
         """``rel`` as the user should see it (a URL for remote stores)."""
         return f"{self.url}/{rel}" if rel else self.url
 
-    def child(self, rel: str) -> "Store":
-        """A store rooted at a sub-folder."""
-        return Store(self.display(rel), self.fs, self.protocol, self.full(rel))
+    def child(self, rel: str, *, listed: dict[str, str] | None = None) -> "Store":
+        """A store rooted at a sub-folder. ``listed``: names under this store -> the same
+        files' names under the child, whose modification times this store's listing
+        showed: the child knows them too (no HEAD each)."""
+        sub = Store(self.display(rel), self.fs, self.protocol, self.full(rel))
+        if listed:
+            with self._lock:
+                sub._mtimes.update({new: self._mtimes[old] for old, new in listed.items()
+                                    if old in self._mtimes})
+        return sub
 
     def local_path(self, rel: str) -> str | None:
         """A path the OS can open (for mmap), or None for remote stores."""
@@ -417,7 +424,8 @@ class Store:
             return self._small.get(rel, lambda: self._read_whole(rel))[start:end]
         with self._errors(rel):
             if self.is_local:  # pread on a kept descriptor: no open/seek/close per chunk
-                data = os.pread(self._fd(rel), end - start, start)
+                with self._fd(rel) as fd:
+                    data = os.pread(fd, end - start, start)
             else:
                 data = self.fs.cat_file(self.full(rel), start=start, end=end)
         with self._lock:
@@ -432,12 +440,12 @@ class Store:
         if self.is_local and not (self._small is not None and self._small.wants(rel)):
             n = 0
             with self._errors(rel):
-                fd = self._fd(rel)
-                while n < len(buf):
-                    k = os.preadv(fd, [buf[n:]], start + n)
-                    if k == 0:
-                        break
-                    n += k
+                with self._fd(rel) as fd:
+                    while n < len(buf):
+                        k = os.preadv(fd, [buf[n:]], start + n)
+                        if k == 0:
+                            break
+                        n += k
             with self._lock:
                 self.stats.reads += 1
                 self.stats.bytes_read += n
@@ -446,17 +454,34 @@ class Store:
         buf[:len(data)] = data
         return len(data)
 
-    def _fd(self, rel: str) -> int:
+    @contextlib.contextmanager
+    def _fd(self, rel: str) -> Iterator[int]:
+        """A kept read descriptor of ``rel`` for the block. A descriptor is closed only
+        when no reader holds it: closed under a reader, its number could be reused by the
+        next open and that reader would get another file's bytes."""
         with self._lock:
-            fd = self._fds.get(rel)
-            if fd is None:
+            held = self._fds.get(rel)
+            if held is None:
                 if len(self._fds) >= MAX_OPEN_FILES:  # thousands of rank files: stay bounded
-                    for old in self._fds.values():
-                        os.close(old)
-                    self._fds.clear()
-                fd = os.open(self.full(rel), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-                self._fds[rel] = fd
-            return fd
+                    self._drop_fds(list(self._fds))
+                held = self._fds[rel] = [os.open(self.full(rel), os.O_RDONLY
+                                                 | getattr(os, "O_CLOEXEC", 0)), 0]
+            held[1] += 1
+        try:
+            yield held[0]
+        finally:
+            with self._lock:
+                held[1] -= 1
+                if not held[1] and self._fds.get(rel) is not held:  # dropped while held
+                    os.close(held[0])
+
+    def _drop_fds(self, rels: list[str]) -> None:
+        """Forget the descriptors of ``rels`` (caller holds the lock); one in use is
+        closed by its last reader."""
+        for rel in rels:
+            held = self._fds.pop(rel, None)
+            if held is not None and not held[1]:
+                os.close(held[0])
 
     def _uncache(self, rel: str) -> None:
         """A file about to change is no longer served from the small-file cache."""
@@ -469,16 +494,12 @@ class Store:
 
     def _forget(self, rel: str) -> None:
         with self._lock:
-            fd = self._fds.pop(rel, None)
-        if fd is not None:
-            os.close(fd)
+            self._drop_fds([rel])
 
     def close(self) -> None:
         """Close kept file descriptors (reads reopen them as needed)."""
         with self._lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+            self._drop_fds(list(self._fds))
 
     def __del__(self):
         try:
@@ -602,7 +623,9 @@ class Store:
         base = self.full(rel)
         with self._errors(rel):
             self.stats.lists += 1
-            if recursive:
+            if recursive and self.is_s3:
+                found = self._list_s3(base)
+            elif recursive:
                 found = self.fs.find(base, detail=True, withdirs=False)
             else:
                 found = {e["name"]: e for e in self.fs.ls(base, detail=True)
@@ -618,6 +641,26 @@ class Store:
                     with self._lock:
                         self._mtimes[name[len(prefix):]] = when.timestamp()
         return dict(sorted(out.items()))
+
+    def _list_s3(self, base: str) -> dict[str, dict]:
+        """Every object under ``base`` (``bucket/prefix``): ListObjectsV2 pages of 1,000
+        keys, one after the other, as ``fs.find`` names them. Not ``fs.find`` itself: it
+        checks each new folder against a list of its parent's folders (quadratic: ~20 s
+        for 10,000 checkpoint folders under one prefix)."""
+        bucket, _, key = base.partition("/")
+        prefix = key.rstrip("/") + "/" if key else ""
+        found: dict[str, dict] = {}
+        token = None
+        while True:
+            kw = {"ContinuationToken": token} if token else {}
+            page = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, **kw)
+            for o in page.get("Contents") or []:
+                if not o["Key"].endswith("/"):  # a folder marker, not a file
+                    found[f"{bucket}/{o['Key']}"] = {"size": o.get("Size", 0),
+                                                     "LastModified": o.get("LastModified")}
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return found
 
     def list_dirs(self, rel: str = "") -> list[str]:
         """Immediate sub-folders of ``rel``, relative to the store root."""
