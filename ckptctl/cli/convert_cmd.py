@@ -55,17 +55,22 @@ def reshard(
           --src-option endpoint_url=http://a:9000 --dst-option endpoint_url=http://b:9000
     """
     from ..ops import reshard as do_reshard
+    from ..ops.distributed import Group
 
     src_place = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
     dst_place = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")
+    group = Group() if dry_run else Group.from_env()
     with byte_progress("reshard", enabled=not (json or quiet or dry_run)) as cb:
         r = do_reshard(src_place.url, dst_place.url, mesh=mesh, rules=rules,
                        world_size=world_size, max_memory=max_memory, workers=workers,
                        dry_run=dry_run, force=force, storage_options=src_place.storage_options,
                        dst_storage_options=dst_place.storage_options,
-                       on_bytes=cb, on_total=cb and cb.total)
+                       on_bytes=cb, on_total=cb and cb.total, group=group)
     if json:
-        emit_json(r.to_dict())
+        emit_json(group.tag(r.to_dict()))
+        return
+    if group.rank != 0:
+        _say_share(group, r.bytes, r.files, r.seconds, quiet)
         return
     say(f"rules: {r.rules['note']}", quiet=quiet)
     if dry_run:
@@ -87,6 +92,13 @@ def reshard(
     say(f"{r.dst}: {plural(r.world_size, 'rank')} ({r.mesh}), {plural(r.num_chunks, 'chunk')}, "
         f"{human_bytes(r.bytes)} in {plural(r.num_files, 'file')} ({r.seconds:.2f}s)", quiet=quiet)
     say(f"id {r.manifest_id}", quiet=quiet)
+
+
+def _say_share(group, nbytes: int, files: list[str], seconds: float, quiet: bool) -> None:
+    """What a process other than rank 0 of a torchrun/srun run did (rank 0 commits)."""
+    what = f"{human_bytes(nbytes)} in {', '.join(files)}" if files else "no file to write"
+    say(f"rank {group.rank}/{group.world_size}: {what} ({seconds:.2f}s); rank 0 commits",
+        quiet=quiet)
 
 
 def _first(names: list[str], count: int) -> str:
@@ -144,18 +156,24 @@ def consolidate(
       ckptctl consolidate warm:step-12000 cold:hf-12000 --only model
     """
     from ..ops import consolidate as do_consolidate
+    from ..ops.distributed import Group
 
     src_place = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
     dst_place = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")
+    group = Group.from_env()
     with byte_progress("consolidate", enabled=not (json or quiet)) as cb:
         r = do_consolidate(src_place.url, dst_place.url, to=to, only=only, dtype=dtype,
                            strip_prefix=strip_prefix, max_shard_size=max_shard_size,
                            max_memory=max_memory, workers=workers, force=force,
                            storage_options=src_place.storage_options,
                            dst_storage_options=dst_place.storage_options,
-                           on_bytes=cb, on_total=cb and cb.total, include=include)
+                           on_bytes=cb, on_total=cb and cb.total, include=include,
+                           group=group)
     if json:
-        emit_json(r.to_dict())
+        emit_json(group.tag(r.to_dict()))
+        return
+    if group.rank != 0:
+        _say_share(group, r.bytes, r.files, r.seconds, quiet)
         return
     say(f"{r.dst}: {r.to}, {plural(r.num_tensors, 'tensor')}, {plural(r.num_objects, 'object')}"
         f"; {human_bytes(r.bytes)} in {', '.join(r.files)} ({r.seconds:.2f}s)", quiet=quiet)

@@ -53,8 +53,10 @@ def pack(
       ckptctl pack /nvme/step-12000 s3://cold/run1/step-12000 --base s3://cold/run1/step-11000
       ckptctl pack ckpt/step-3000 packs/step-3000 --base ckpt/step-2000 --json
     """
+    from ..ops.distributed import Group
     from ..ops.pack import pack as do_pack
 
+    group = Group.from_env()  # under torchrun/srun: each process its share of data files
     src_place = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
     dst_place = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")
     base_place = resolve_place(ctx, base, storage_option, src_option,
@@ -65,9 +67,14 @@ def pack(
                     force=force, storage_options=src_place.storage_options,
                     dst_storage_options=dst_place.storage_options,
                     base_storage_options=base_place and base_place.storage_options,
-                    on_bytes=cb, on_total=cb and cb.total)
+                    on_bytes=cb, on_total=cb and cb.total, group=group)
     if json:
-        emit_json(r.to_dict())
+        emit_json(group.tag(r.to_dict()))
+        return
+    if group.rank != 0:
+        say(f"rank {group.rank}/{group.world_size}: {human_bytes(r.bytes_out)} in "
+            f"{plural(r.data_files, 'data file')} ({r.seconds:.2f}s); rank 0 commits",
+            quiet=quiet)
         return
     if r.full_reason:
         say(f"note: {r.full_reason}", quiet=quiet)

@@ -61,6 +61,7 @@ def promote(
       ckptctl promote s3://a/run/step-9 s3://b/run/step-9 \\
           --src-option endpoint_url=http://a:9000 --dst-option endpoint_url=http://b:9000
     """
+    from ..ops.distributed import Group
     from ..ops.promote import promote as do_promote
     from ..ops.reshard import parse_size
 
@@ -76,14 +77,29 @@ def promote(
     if base_url not in (None, "auto"):
         base_url = resolve_place(ctx, base_url, storage_option, dst_option,
                                  own_flag="--dst-option").url
+    # under torchrun/srun the data files are split over the processes; a dry run runs
+    # whole in each, a --pack/--unpack conversion on rank 0 alone (it does not split yet)
+    group = Group() if dry_run else Group.from_env()
+    if pack is not None and group.active:
+        if (note := group.rank_0_alone("promote --pack/--unpack")) is not None:
+            if json:
+                emit_json(group.tag({"note": note}))
+            else:
+                say(note, quiet=quiet)
+            return
+        group = Group()
     with byte_progress("promote", enabled=not (json or quiet or dry_run)) as bar:
         r = do_promote(s.url, dst_url, s.storage_options, d.storage_options, bwlimit=rate,
                        workers=workers, part_size=parse_size(part_size),
                        delete_source=delete_source, dry_run=dry_run, pack=pack,
                        base=base_url, level=level, on_bytes=bar,
-                       on_total=bar and bar.total)
+                       on_total=bar and bar.total, group=group)
     if json:
-        emit_json(r.to_dict())
+        emit_json(group.tag(r.to_dict()))
+        return
+    if group.rank != 0:
+        say(f"rank {group.rank}/{group.world_size}: sent {plural(r.files_sent, 'file')}, "
+            f"{human_bytes(r.bytes_sent)} ({r.seconds:.2f}s); rank 0 commits", quiet=quiet)
         return
     if r.action == "dry-run":
         seal_note = "" if r.manifest_id else " (SRC is not sealed: a run seals it first)"

@@ -60,13 +60,25 @@ def verify(
       ckptctl verify --level full cold:step-12000
     """
     from ..ops import verify as do_verify
+    from ..ops.distributed import Group
 
     place = resolve_place(ctx, url, storage_option)
+    # under torchrun/srun the full level's files are split over the processes; rank 0
+    # reports every finding and carries the exit code, the others exit 0 once they reported
+    group = Group.from_env() if level == Level.full else Group()
     with byte_progress("verify", enabled=level == Level.full and not (json or quiet)) as bar:
         r = do_verify(place.url, place.storage_options, level=level.value, require=require, check_finite=check_finite,
-                      sample=sample, workers=workers, on_bytes=bar, on_total=bar and bar.total)
+                      sample=sample, workers=workers, on_bytes=bar, on_total=bar and bar.total,
+                      group=group)
+    if group.rank != 0:
+        if json:
+            emit_json(group.tag(r.to_dict()))
+        else:
+            say(f"rank {group.rank}/{group.world_size}: {plural(r.files_read, 'file')} read, "
+                f"{human_bytes(r.bytes_read)}; rank 0 reports", quiet=quiet)
+        return
     if json:
-        emit_json(r.to_dict())
+        emit_json(group.tag(r.to_dict()))
     elif not quiet:
         if r.problems:
             print_table(["code", "severity", "where", "message"], problem_rows(r.problems),

@@ -8,14 +8,29 @@
 from __future__ import annotations
 
 import pickle
+import sys
 import threading
-import uuid
 from dataclasses import dataclass, field
 from typing import Iterable
 
 from ..storage import HashingWriter, Store, digest_bytes
 from .dcp import METADATA
 from .torchwrite import TensorRef, TorchZipWriter, pickle_state
+
+
+def _interned(x):
+    """``x`` (dicts, lists, tuples of str and numbers) rebuilt with every string interned.
+
+    >>> _interned({"a": ("b", 1)})
+    {'a': ('b', 1)}
+    """
+    if isinstance(x, str):
+        return sys.intern(x)
+    if isinstance(x, dict):
+        return {_interned(k): _interned(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_interned(v) for v in x)
+    return x
 
 
 def rank_file(rank: int) -> str:
@@ -76,6 +91,13 @@ class DcpWriter:
             self.hashes[rel] = out.result()
         return out.pos
 
+    def _save_id(self) -> str:
+        """DCP's ``save_id``, derived from the data files' hashes (torch uses a random
+        uuid; nothing reads it back but as an identifier of this save)."""
+        data = "\n".join(f"{rel} {d} {n}" for rel, (d, n) in sorted(self.hashes.items())
+                         if rel != METADATA)
+        return digest_bytes(data.encode(), "xxh3-128")[:32]
+
     def commit(self, planner_data: dict | None = None) -> bytes:
         """Write ``.metadata`` (atomically): the DCP commit marker. Returns its bytes."""
         import torch
@@ -86,21 +108,28 @@ class DcpWriter:
                                                            TensorProperties,
                                                            TensorStorageMetadata)
 
+        # pickle shares repeated objects by identity: interned names give the same bytes
+        # whether this process wrote every rank file or merged others' reports
+        fqn_ = sys.intern
         sdm: dict = {}
         for fqn, (dtype, shape, chunks) in sorted(self.meta.tensors.items()):
-            sdm[fqn] = TensorStorageMetadata(
+            sdm[fqn_(fqn)] = TensorStorageMetadata(
                 properties=TensorProperties(dtype=getattr(torch, dtype)), size=torch.Size(shape),
                 chunks=[ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
                         for o, s in sorted(chunks)])
         for fqn in sorted(self.meta.objects):
-            sdm[fqn] = BytesStorageMetadata()
+            sdm[fqn_(fqn)] = BytesStorageMetadata()
         storage = {}
-        for (fqn, offsets), (rel, off, length) in self.meta.storage.items():
-            idx = MetadataIndex(fqn, torch.Size(offsets) if offsets is not None else None)
-            storage[idx] = _StorageInfo(rel, off, length)
-        md = Metadata(state_dict_metadata=sdm, planner_data=planner_data or {},
+        # sorted, and save_id from the data's hashes: the same output gives the same bytes
+        # whichever threads or processes wrote which rank file, in whatever order
+        for (fqn, offsets), (rel, off, length) in sorted(
+                self.meta.storage.items(), key=lambda kv: (kv[0][0], kv[0][1] is not None,
+                                                           kv[0][1] or ())):
+            idx = MetadataIndex(fqn_(fqn), torch.Size(offsets) if offsets is not None else None)
+            storage[idx] = _StorageInfo(fqn_(rel), off, length)
+        md = Metadata(state_dict_metadata=sdm, planner_data=_interned(planner_data or {}),
                       storage_data=storage,
-                      storage_meta=StorageMeta(checkpoint_id=None, save_id=uuid.uuid4().hex),
+                      storage_meta=StorageMeta(checkpoint_id=None, save_id=self._save_id()),
                       version="1.0.0")
         data = pickle.dumps(md)
         self.sink.write_atomic(METADATA, data)

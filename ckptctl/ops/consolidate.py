@@ -149,14 +149,20 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                 dst_storage_options: dict | None = None, force: bool = False,
                 on_bytes: Callable[[int], None] | None = None,
                 on_total: Callable[[int], None] | None = None,
-                include: list[str] | None = None) -> ConsolidateResult:
+                include: list[str] | None = None, group=None) -> ConsolidateResult:
     """Write every selected entry of ``src`` whole, into ``dst`` in format ``to``.
 
     ``dst`` must be new or empty (a new file name for ``--to torch x.pt``); ``force``
     replaces what is there. ``--to safetensors`` names its files after what they hold
     (``model.safetensors``; ``optim.safetensors`` for ``only="optim"``) and carries the
     source folder's side files (:data:`SIDE_FILES`, plus ``include`` globs) when it holds
-    the model."""
+    the model. ``group``: a :class:`~ckptctl.ops.distributed.Group` (``Group.from_env()``
+    under torchrun/srun): output file ``i`` (shards in order, then side files; DCP: the
+    one rank file; torch: the one file) is process ``i % world_size``'s, rank 0 writes the
+    index and the manifest and its result is the whole run's."""
+    from .distributed import Group
+
+    group = group if group is not None else Group()
     t0 = time.monotonic()
     if to not in TARGETS:
         raise UsageError(f"--to must be one of {', '.join(TARGETS)}")
@@ -195,7 +201,8 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     if to == "dcp":
         done = copy_to_dcp(ck, plan, dst, max_memory=max_memory, workers=workers,
                            storage_options=opts, convert_dtype=conv_to, force=force,
-                           command="consolidate --to dcp", source=src, on_bytes=on_bytes)
+                           command="consolidate --to dcp", source=src, on_bytes=on_bytes,
+                           group=group)
         return ConsolidateResult(src, dst, to, sorted(done.hashes), len(tensors),
                                  len(objects), done.bytes_written,
                                  round(time.monotonic() - t0, 3), done.manifest_id)
@@ -218,13 +225,16 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     renamed = {n: _out_name(n, strip_prefix) for n in tensors + objects}
     if len(set(renamed.values())) != len(renamed):
         raise UsageError("--strip-prefix makes two entries collide")
+    if to == "torch" and group.rank != 0:  # one file: rank 0's; the others have no share
+        return ConsolidateResult(src, dst, to, [], len(tensors), len(objects), 0,
+                                 round(time.monotonic() - t0, 3))
     if to == "torch":
         out = _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype,
                            strip_prefix, on_bytes, force)
     else:
         out = _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype,
                                  parse_size(max_shard_size), workers, on_bytes, force,
-                                 stem=output_stem(tensors), side=side)
+                                 stem=output_stem(tensors), side=side, group=group)
     mid = out.manifest_id
     return ConsolidateResult(src, dst, to, sorted(out.hashes), len(tensors), len(objects),
                              sum(n for _, n in out.hashes.values()),
@@ -250,7 +260,7 @@ def _finish(od: OutputDir, ck: Checkpoint, hashes: dict, folder: bool) -> _Writt
 
 def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_shard,
                        workers, on_bytes, force, *, stem: str = "model",
-                       side: list[str] = ()) -> _Written:
+                       side: list[str] = (), group=None) -> _Written:
     entries = []
     for n in tensors:
         d = DTYPES[out_dtype(n)]
@@ -262,20 +272,34 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_s
     entries.sort(key=lambda e: e[0])
     shards = split_shards(entries, max_shard)
     names = shard_names(len(shards), stem)
-    nstreams = max(1, min(workers, len(shards)))
-    with OutputDir(open_store(dst, opts), command="consolidate --to safetensors",
-                   force=force, source=ck.root) as od:
-        def one(job):
-            shard, fname = job
-            s = stream([by_out[e[0]] for e in shard], nstreams)
-            with od.open(fname) as f:
-                w = HashingWriter(f, on_bytes=on_bytes)
-                write_file(w, shard, lambda out: s.blocks(by_out[out]), {"format": "pt"})
-            return fname, w.result()
+    from .distributed import Group, write_shared
 
-        hashes = dict(od.map(one, zip(shards, names), nstreams))
-        for rel in side:  # config, tokenizer...: data too, durable before the index
-            hashes[rel] = _copy_file(ck.store, rel, ck.files[rel], od)
+    group = group if group is not None else Group()
+    # output file i (shards in order, then side files) is process i % world_size's
+    jobs = group.mine([("shard", shard, fname) for shard, fname in zip(shards, names)]
+                      + [("side", None, rel) for rel in side])
+    mine = [(shard, fname) for kind, shard, fname in jobs if kind == "shard"]
+    nstreams = max(1, min(workers, len(mine)))
+    od = OutputDir(open_store(dst, opts), command="consolidate --to safetensors",
+                   force=force, source=ck.root)
+
+    def one(job):
+        shard, fname = job
+        s = stream([by_out[e[0]] for e in shard], nstreams)
+        with od.open(fname) as f:
+            w = HashingWriter(f, on_bytes=on_bytes)
+            write_file(w, shard, lambda out: s.blocks(by_out[out]), {"format": "pt"})
+        return fname, w.result()
+
+    def write() -> dict:
+        hashes = dict(od.map(one, mine, nstreams))
+        for kind, _, rel in jobs:  # config, tokenizer...: data too, durable before the index
+            if kind == "side":
+                hashes[rel] = _copy_file(ck.store, rel, ck.files[rel], od)
+        return {"hashes": {rel: list(v) for rel, v in hashes.items()}}
+
+    def finish(reports: list[dict]) -> _Written:
+        hashes = {rel: (d, int(n)) for rep in reports for rel, (d, n) in rep["hashes"].items()}
         if len(shards) > 1:
             data = index_json(shards, names)
             index = f"{stem}.safetensors.index.json"
@@ -284,6 +308,11 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_s
 
             hashes[index] = (digest_bytes(data), len(data))
         return _finish(od, ck, hashes, True)
+
+    done = write_shared(group, od, write, finish, planned=[*names, *side])
+    if isinstance(done, _Written):
+        return done
+    return _Written(od.store, {rel: (d, n) for rel, (d, n) in done["hashes"].items()}, True)
 
 
 def _nest(items: list[tuple[tuple, object]]):

@@ -257,10 +257,15 @@ def object_payload(ck: Checkpoint, name: str) -> bytes:
 
 def write_dcp(ck: Checkpoint, plan: Plan, out: OutputDir, *, max_memory: int, workers: int,
               convert_dtype: str | None = None,
-              on_bytes: Callable[[int], None] | None = None) -> DcpWriter:
+              on_bytes: Callable[[int], None] | None = None,
+              share: Callable[[list[int]], list[int]] | None = None) -> DcpWriter:
     """Execute ``plan`` into a DCP checkpoint in ``out`` (data files, then ``.metadata``);
-    ``out`` is neither committed nor sealed (see :func:`copy_to_dcp`)."""
+    ``out`` is neither committed nor sealed (see :func:`copy_to_dcp`). ``share``: of the
+    rank files (in rank order), the ones this process writes (a distributed run, see
+    :mod:`~ckptctl.ops.distributed`): then ``.metadata`` is left to rank 0."""
     by_rank = {r: cs for r, cs in plan.by_rank().items() if cs or r == 0}
+    if share is not None:
+        by_rank = {r: by_rank[r] for r in share(sorted(by_rank))}
     nworkers = max(1, min(workers, len(by_rank)))
     writer = DcpWriter(out.store, on_bytes=on_bytes, sink=out)
 
@@ -280,10 +285,16 @@ def write_dcp(ck: Checkpoint, plan: Plan, out: OutputDir, *, max_memory: int, wo
                 yield ("object", name, object_payload(ck, name))
 
     out.map(lambda r: writer.write_rank(r, items(r)), sorted(by_rank), nworkers)
+    if share is None:
+        writer.commit(planner_data(ck, plan))
+    return writer
+
+
+def planner_data(ck: Checkpoint, plan: Plan) -> dict:
+    """``.metadata``'s ``planner_data``: each entry's path in the nested state dict."""
     paths = ck.info.get("paths") or {}
     names = {tc.name for tc in plan.chunks} | set(plan.objects)
-    writer.commit({n: paths.get(n, (n,)) for n in sorted(names)})
-    return writer
+    return {n: paths.get(n, (n,)) for n in sorted(names)}
 
 
 @dataclass(frozen=True)
@@ -309,14 +320,22 @@ class Copied:
 def copy_to_dcp(ck: Checkpoint, plan: Plan, dst: str, *, max_memory: int, workers: int,
                 storage_options: dict | None = None, convert_dtype: str | None = None,
                 force: bool = False, command: str = "reshard", source: str | None = None,
-                on_bytes: Callable[[int], None] | None = None) -> Copied:
+                on_bytes: Callable[[int], None] | None = None, group=None) -> Copied:
     """Execute ``plan`` over ``ck`` into a new DCP checkpoint at ``dst``: data files, then
     ``.metadata``, then the manifest (sealed from the hashes computed while writing).
 
     ``dst`` must be new or empty; ``force`` replaces what it holds. ``convert_dtype``
     (``bfloat16``...) converts floating tensors on the way. Memory stays within about
     ``max_memory`` bytes whatever the tensor sizes; ``workers`` ranks are written at once.
+    ``group``: this process's :class:`~ckptctl.ops.distributed.Group` when several share
+    the rank files (rank 0 writes ``.metadata`` and the manifest; others get
+    ``manifest_id`` None and their own files' hashes).
     """
+    if group is not None and group.active:
+        return _copy_to_dcp_shared(ck, plan, dst, max_memory=max_memory, workers=workers,
+                                   storage_options=storage_options, convert_dtype=convert_dtype,
+                                   force=force, command=command, source=source,
+                                   on_bytes=on_bytes, group=group)
     with OutputDir(open_store(dst, storage_options), command=command, force=force,
                    source=source) as out:
         writer = write_dcp(ck, plan, out, max_memory=max_memory, workers=workers,
@@ -324,3 +343,32 @@ def copy_to_dcp(ck: Checkpoint, plan: Plan, dst: str, *, max_memory: int, worker
         out.commit()
         mid = commit_written(out.store, writer.hashes, step=ck.step)
     return Copied(dict(writer.hashes), mid)
+
+
+def _copy_to_dcp_shared(ck, plan, dst, *, max_memory, workers, storage_options, convert_dtype,
+                        force, command, source, on_bytes, group) -> Copied:
+    """:func:`copy_to_dcp` as one process of ``group`` (:func:`~ckptctl.ops.distributed.write_shared`)."""
+    from ..formats.dcp_write import rank_file
+    from .distributed import dcp_report, merge_dcp, write_shared
+
+    out = OutputDir(open_store(dst, storage_options), command=command, force=force,
+                    source=source)
+
+    def write() -> dict:
+        w = write_dcp(ck, plan, out, max_memory=max_memory, workers=workers,
+                      convert_dtype=convert_dtype, on_bytes=on_bytes, share=group.mine)
+        return dcp_report(w)
+
+    def finish(reports: list[dict]) -> Copied:
+        writer = DcpWriter(out.store, sink=out)
+        for rep in reports:
+            merge_dcp(writer, rep)
+        writer.commit(planner_data(ck, plan))
+        out.commit()
+        return Copied(dict(writer.hashes), commit_written(out.store, writer.hashes, step=ck.step))
+
+    planned = [rank_file(r) for r, cs in plan.by_rank().items() if cs or r == 0]
+    done = write_shared(group, out, write, finish, planned=planned)
+    if isinstance(done, Copied):
+        return done
+    return Copied({rel: (d, n) for rel, (d, n) in done["hashes"].items()}, None)

@@ -189,6 +189,13 @@ class OutputDir:
             raise
         return self
 
+    def join(self) -> "OutputDir":
+        """Enter as a helper process of a distributed run (:mod:`ckptctl.ops.distributed`):
+        rank 0 prepared the folder and owns its marker; this process only writes its own
+        files (and on failure removes those, never the folder)."""
+        self._existed = True
+        return self
+
     def _refuse_live_writer(self) -> None:
         """``--force`` replaces what a killed writer left, not a writer still running on
         this host (its marker names a live ckptctl process)."""

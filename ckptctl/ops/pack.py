@@ -7,7 +7,9 @@ DCP chunk zips and torch.save files) and ``raw`` segments (everything else: zip 
 ``.metadata``, JSON headers, pickles). Segments are cut into chunks of at most
 ``CHUNK_SIZE`` bytes (a whole number of elements), encoded on a thread pool (at most
 2 x workers chunks in flight) by :mod:`ckptctl.formats.packcodec`, appended to data files
-of at most 256 MiB, and committed like every writer (``.ckptctl-writing`` first, index,
+of at most 256 MiB of source each (cut from the source's sizes alone: :func:`data_layout`,
+so processes under torchrun/srun can write different ones), and committed like every
+writer (``.ckptctl-writing`` first, index,
 then the pack's manifest last). With a base, a tensor segment whose logical tensor (same
 name, chunk box, dtype and byte length) exists in the base is stored against the base's
 bytes (``same``: nothing; else ``xor``).
@@ -321,14 +323,17 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
          storage_options: dict | None = None, dst_storage_options: dict | None = None,
          base_storage_options: dict | None = None,
          on_bytes: Callable[[int], None] | None = None,
-         on_total: Callable[[int], None] | None = None) -> PackResult:
+         on_total: Callable[[int], None] | None = None, group=None) -> PackResult:
     """Write checkpoint ``src`` as a pack at ``dst`` (see the module docstring).
 
     An unsealed but complete source is sealed first (an incomplete one is refused,
     exit 1); every source file is hashed on the way and must match its manifest.
     ``base``: a sealed earlier checkpoint (or pack) to delta-encode against; when the
     chain of bases would grow past ``max_chain`` a full pack is written instead
-    (``full_reason`` says so).
+    (``full_reason`` says so). ``group``: a :class:`~ckptctl.ops.distributed.Group`
+    (``Group.from_env()`` under torchrun/srun): data file unit ``u`` (see
+    :func:`data_layout`) is process ``u % world_size``'s, rank 0 writes the index and the
+    manifest; the same bytes whatever the number of processes.
 
     >>> pack("ckpt/step-200", "packs/step-200", level=3).ratio        # doctest: +SKIP
     1.43
@@ -373,11 +378,29 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
                              chunk, base_map) for rel in names}
     if on_total:
         on_total(sum(sizes.values()))
+    from .distributed import Group, write_shared
+
+    group = group if group is not None else Group()
     dstore = open_store(dst, dst_storage_options)
-    with OutputDir(dstore, command="pack", force=force, source=store.url) as out:
-        written = _encode_all(store, names, plans, man, base_store, out, level, workers,
-                              on_bytes, packcodec)
-        data_hashes, chunks = written
+    out = OutputDir(dstore, command="pack", force=force, source=store.url)
+    jobs, batches = _jobs(names, plans, packcodec.CHUNK_SIZE)
+    data_of, unit_of = data_layout(jobs, batches, sizes)
+
+    def write() -> dict:
+        return _encode_all(store, names, jobs, batches, data_of, unit_of, man, base_store,
+                           out, level, workers, on_bytes, packcodec, share=group.mine)
+
+    def finish(reports: list[dict]):
+        data_hashes: dict[str, tuple[str, int]] = {}
+        chunks: dict[str, int] = {}
+        refs: dict[int, list] = {}
+        for rep in reports:
+            data_hashes.update((rel, (h, int(n))) for rel, (h, n) in rep["hashes"].items())
+            for mode, k in rep["chunks"].items():
+                chunks[mode] = chunks.get(mode, 0) + k
+            refs.update((int(i), ref) for i, *ref in rep["refs"])
+        for i, (_, seg, _, _) in enumerate(jobs):  # in job order: each segment's chunks
+            seg.chunks.append(ChunkRef(*refs[i]))
         idx = PackIndex.build(
             _source_doc(store), man.id, chunk,
             {rel: (sizes[rel], [s for s, _ in plans[rel]]) for rel in names}, base_info)
@@ -398,7 +421,20 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
                         base=base_info["id"] if base_info else None,
                         extra={"packs": man.id})
         out.commit()
-        pack_id = commit(dstore, pman)
+        return hashes, chunks, pman, commit(dstore, pman)
+
+    planned = [data_name(k) for k in range(len(unit_of))] + [PACK_INDEX]
+    done = write_shared(group, out, write, finish, planned=planned)
+    if not isinstance(done, tuple):  # another process's share: its own data files
+        hashes = {rel: (h, int(n)) for rel, (h, n) in done["hashes"].items()}
+        return PackResult(store.url, dstore.url, man.id, None,
+                          base_info["id"] if base_info else None, depth,
+                          0, sum(n for _, n in hashes.values()), 0.0,
+                          dict(sorted(done["chunks"].items())), len(names), len(hashes),
+                          time.monotonic() - t0, sealed, full_reason, 0, 0)
+    hashes, chunks, pman, pack_id = done
+    bytes_out = sum(n for _, n in hashes.values())
+    bytes_in = sum(sizes.values())
     tensors = sum(1 for p in plans.values() for s, _ in p if s.kind == "tensor")
     based = sum(1 for p in plans.values() for s, _ in p if s.base is not None)
     return PackResult(store.url, dstore.url, man.id, pack_id,
@@ -416,12 +452,11 @@ def _source_doc(store) -> dict:
     return json.loads(store.read(MANIFEST))
 
 
-def _encode_all(store, names, plans, man: Manifest, base_store, out: OutputDir, level: int,
-                workers: int, on_bytes, codec):
-    """Encode every chunk (a thread pool, at most 2 x workers batches in flight), append
-    the payloads to data files in order and fill in the segments' chunk refs; hash every
-    source file on the way against the source manifest. Returns ({data file: (hash,
-    size)}, chunks by mode)."""
+def _jobs(names, plans, chunk_size: int) -> tuple[list[tuple], list[list[int]]]:
+    """Every chunk to encode, ``(file, segment, position in it, bytes)``, in file and
+    segment order; and the batches they are read in: consecutive small chunks of one file
+    in one request (a DCP file is mostly small segments: on S3 requests cost more than
+    bytes)."""
     jobs = []
     for rel in names:
         for seg, sizes in plans[rel]:
@@ -429,12 +464,6 @@ def _encode_all(store, names, plans, man: Manifest, base_store, out: OutputDir, 
             for n in sizes:
                 jobs.append((rel, seg, pos, n))
                 pos += n
-    last_of = {}
-    for i, (rel, _, _, _) in enumerate(jobs):
-        last_of[rel] = i
-    empty = [rel for rel in names if rel not in last_of]
-    # consecutive small chunks of one file are read in one request (a DCP file is mostly
-    # small segments: on S3 requests cost more than bytes)
     batches: list[list[int]] = []
     for i, (rel, seg, pos, n) in enumerate(jobs):
         if batches:
@@ -442,10 +471,63 @@ def _encode_all(store, names, plans, man: Manifest, base_store, out: OutputDir, 
             prel, pseg, ppos, pn = jobs[prev[-1]]
             start = jobs[prev[0]][1].offset + jobs[prev[0]][2]
             if prel == rel and pseg.offset + ppos + pn == seg.offset + pos \
-                    and seg.offset + pos + n - start <= codec.CHUNK_SIZE:
+                    and seg.offset + pos + n - start <= chunk_size:
                 prev.append(i)
                 continue
         batches.append([i])
+    return jobs, batches
+
+
+def data_layout(jobs, batches, sizes: dict[str, int],
+                limit: int | None = None) -> tuple[list[int], list[int]]:
+    """Which data file each batch goes to, and which unit each data file belongs to;
+    decided from the source's sizes alone, so several processes can write different data
+    files and get the bytes one process writes. A data file holds at most ``limit`` bytes
+    of source (whole small files together; a larger file starts a new data file and spans
+    several); a unit is the data files that share a source file (one process hashes each
+    source file whole). No chunk at all: one empty data file.
+
+    >>> jobs = [("a", None, 0, 6), ("b", None, 0, 3), ("c", None, 0, 5), ("c", None, 5, 5)]
+    >>> data_layout(jobs, [[0], [1], [2], [3]], {"a": 6, "b": 3, "c": 10}, limit=9)
+    ([0, 0, 1, 2], [0, 1, 1])
+    """
+    limit = limit or DATA_FILE_SIZE
+    data_of: list[int] = []
+    unit_of: list[int] = []
+    used = 0
+    prev = None
+    for b in batches:
+        rel = jobs[b[0]][0]
+        n = sum(jobs[i][3] for i in b)
+        if rel != prev:  # a new source file: here, or a new data file and a new unit
+            if not unit_of or (used and used + sizes[rel] > limit):
+                unit_of.append(unit_of[-1] + 1 if unit_of else 0)
+                used = 0
+            prev = rel
+        elif used and used + n > limit:  # the same file goes on in a new data file
+            unit_of.append(unit_of[-1])
+            used = 0
+        data_of.append(len(unit_of) - 1)
+        used += n
+    return data_of, unit_of or [0]
+
+
+def _encode_all(store, names, jobs, batches, data_of, unit_of, man: Manifest, base_store,
+                out: OutputDir, level: int, workers: int, on_bytes, codec, *,
+                share=None) -> dict:
+    """Encode the chunks of this process's data files (``share`` picks its units; None:
+    all) on a thread pool (at most 2 x workers batches in flight), append the payloads to
+    the data files :func:`data_layout` chose, in order; hash every source file on the way
+    against the source manifest. Returns this share's report: ``hashes`` {data file:
+    [hash, size]}, ``chunks`` by mode, ``refs`` [[job index, ChunkRef fields...]]."""
+    units = sorted(set(unit_of))
+    mine_units = set(share(units) if share is not None else units)
+    mine = [k for k, b in enumerate(batches) if unit_of[data_of[k]] in mine_units]
+    files_mine = [k for k, u in enumerate(unit_of) if u in mine_units]
+    last_of = {}
+    for i, (rel, _, _, _) in enumerate(jobs):
+        last_of[rel] = i
+    empty = [rel for rel in names if rel not in last_of]
 
     def encode_batch(batch):
         rel, seg0, pos0, _ = jobs[batch[0]]
@@ -472,16 +554,17 @@ def _encode_all(store, names, plans, man: Manifest, base_store, out: OutputDir, 
             res.append((data, mode, payload, codec.check(data)))
         return res
 
-    hashes: dict[str, tuple[str, int]] = {}
+    hashes: dict[str, list] = {}
     chunks: dict[str, int] = {}
-    state = {"n": 0, "f": None, "h": None, "size": 0, "file_h": None}
+    refs: list[list] = []
+    state = {"k": None, "f": None, "h": None, "size": 0, "file_h": None}
 
-    def roll():
+    def open_data(k):
         if state["f"] is not None:
             state["f"].close()
-            hashes[data_name(state["n"])] = (state["h"].hexdigest(), state["size"])
-            state["n"] += 1
-        state["f"] = out.open(data_name(state["n"]))
+            hashes[data_name(state["k"])] = [state["h"].hexdigest(), state["size"]]
+        state["k"] = k
+        state["f"] = out.open(data_name(k))
         state["h"] = new_hasher("xxh3-128")
         state["size"] = 0
 
@@ -497,10 +580,7 @@ def _encode_all(store, names, plans, man: Manifest, base_store, out: OutputDir, 
         if state["file_h"] is None:
             state["file_h"] = new_hasher(man.hash)
         state["file_h"].update(data)
-        if state["size"] and state["size"] + len(payload) > DATA_FILE_SIZE:
-            roll()
-        seg.chunks.append(ChunkRef(data_name(state["n"]), state["size"], len(payload),
-                                   mode, n, chk))
+        refs.append([i, data_name(state["k"]), state["size"], len(payload), mode, n, chk])
         if payload:
             state["f"].write(payload)
             state["h"].update(payload)
@@ -512,31 +592,38 @@ def _encode_all(store, names, plans, man: Manifest, base_store, out: OutputDir, 
             check_source(rel, state["file_h"])
             state["file_h"] = None
 
-    for rel in empty:
-        check_source(rel, new_hasher(man.hash))
-    roll()
+    if 0 in mine_units:
+        for rel in empty:
+            check_source(rel, new_hasher(man.hash))
+    fed = {data_of[b] for b in mine}
+    for k in files_mine:  # a data file with no batch (an all-empty source): made, empty
+        if k not in fed:
+            open_data(k)
     ahead: collections.deque = collections.deque()
     with ThreadPoolExecutor(workers, thread_name_prefix="ckptctl-pack") as pool:
-        it = iter(batches)
+        it = iter(mine)
         try:
             while True:
                 while len(ahead) < 2 * workers:
                     nxt = next(it, None)
                     if nxt is None:
                         break
-                    ahead.append((nxt, pool.submit(encode_batch, nxt)))
+                    ahead.append((nxt, pool.submit(encode_batch, batches[nxt])))
                 if not ahead:
                     break
-                batch, fut = ahead.popleft()
-                for i, res in zip(batch, fut.result()):
+                k, fut = ahead.popleft()
+                if data_of[k] != state["k"]:
+                    open_data(data_of[k])
+                for i, res in zip(batches[k], fut.result()):
                     consume(i, *res)
         except BaseException:
             for _, f in ahead:
                 f.cancel()
             raise
-    state["f"].close()
-    hashes[data_name(state["n"])] = (state["h"].hexdigest(), state["size"])
-    return hashes, chunks
+    if state["f"] is not None:
+        state["f"].close()
+        hashes[data_name(state["k"])] = [state["h"].hexdigest(), state["size"]]
+    return {"hashes": hashes, "chunks": chunks, "refs": refs}
 
 
 # --------------------------------------------------------------------------- unpack

@@ -224,7 +224,7 @@ def promote(src: str, dst: str, src_options: dict | None = None,
             dry_run: bool = False, limiter: RateLimiter | None = None,
             pack: bool | None = None, base: str | None = "auto", level: int = 3,
             on_bytes: Callable[[int], None] | None = None,
-            on_total: Callable[[int], None] | None = None) -> PromoteResult:
+            on_total: Callable[[int], None] | None = None, group=None) -> PromoteResult:
     """Copy the checkpoint at ``src`` to ``dst`` (see the module docstring).
 
     ``bwlimit`` (``"200MiB/s"``) or a shared ``limiter`` caps the bytes sent per second;
@@ -239,6 +239,13 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     unpacking run through the pack writer: not rate-limited, and a rerun after a crash
     starts that checkpoint afresh.
 
+    ``group``: a :class:`~ckptctl.ops.distributed.Group` (``Group.from_env()`` under
+    torchrun/srun): rank 0 seals the source if needed and prepares DST, data file ``i``
+    (largest first) is process ``i % world_size``'s, each under ``bwlimit / world_size``;
+    rank 0 then sends the format markers, checks and commits. A failure leaves DST to
+    resume, as one process does. Dry runs and ``pack`` conversions are not split (the
+    CLI runs a conversion on rank 0 alone).
+
     >>> promote("hot/step-200", "warm/step-200", dry_run=True).to_send   # doctest: +SKIP
     ['__0_0.distcp', '__1_0.distcp', '.metadata']
     """
@@ -247,6 +254,11 @@ def promote(src: str, dst: str, src_options: dict | None = None,
         raise UsageError("--workers must be at least 1")
     if part_size < (5 << 20):
         raise UsageError("--part-size must be at least 5MiB (the S3 minimum)")
+    if group is not None and group.active and not dry_run and pack is None:
+        return _promote_shared(group, src, dst, src_options, dst_options, bwlimit=bwlimit,
+                               workers=workers, part_size=part_size,
+                               delete_source=delete_source, on_bytes=on_bytes,
+                               on_total=on_total, t0=t0)
     limiter = limiter or RateLimiter(parse_rate(bwlimit))
     sstore, sfiles, man, raw, sealed = _source(src, src_options, dry_run=dry_run,
                                                workers=workers)
@@ -326,6 +338,143 @@ def promote(src: str, dst: str, src_options: dict | None = None,
         t.close()
         journal.close()
     result.to_send, result.bytes_to_send = [], 0
+    return _finish(result, sstore, sfiles, d, delete_source, t0)
+
+
+def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwlimit, workers,
+                    part_size, delete_source, on_bytes, on_total, t0) -> PromoteResult:
+    """:func:`promote` as one process of ``group`` (:mod:`~ckptctl.ops.distributed`)."""
+    from .distributed import RankFailed, error_doc
+
+    rate = parse_rate(bwlimit)
+    limiter = RateLimiter(rate / group.world_size if rate else rate)
+    r0 = group.rank == 0
+    d = place = journal = None
+    try:
+        if r0:
+            sstore, sfiles, man, raw, sealed = _source(src, src_options, dry_run=False,
+                                                       workers=workers)
+            d = _Destination(dst, dst_options, man, man.id)
+            if _overlaps(sstore, d.final):
+                raise UsageError(f"destination {d.final.url} overlaps the source {sstore.url}")
+            state, present = d.state()
+            done = state == "committed" or (state == "resume" and d.local and MANIFEST in present)
+            if not done:
+                journal = Journal(d.journal_path(), {"source": man.id})
+                if state == "resume" and (not d.local or d.ours()):
+                    _adopt_published(journal, present, man)
+                elif state == "resume" and not journal.resumed:
+                    d.discard_work()  # another source's leftovers
+                    journal = Journal(d.journal_path(), {"source": man.id})
+                if WRITING_MARKER not in present:
+                    d.begin(journal.path)
+            go = {"error": None, "done": done, "manifest": raw.decode()}
+        else:
+            go = None
+    except BaseException as e:
+        if journal is not None:
+            journal.close()
+        if group.backend == "gloo":  # files: the meeting place is DST, not ours yet
+            group.broadcast({"error": error_doc(e)})
+        raise
+    place = (d.work if r0 else _Destination(dst, dst_options, None, None).work) \
+        if group.backend == "files" else None
+    try:
+        go = group.broadcast(go, place)
+    except BaseException:
+        if journal is not None:
+            journal.close()
+        raise
+    if go.get("error") is not None:
+        e = go["error"]
+        raise RankFailed(f"rank 0 failed: {e['message']}", e["exit_code"], e["code"])
+    if r0 and go["done"]:  # committed already, or killed just before its rename
+        group.gather({"error": None}, place)
+        group.clear(place)
+        if place is not None and d.local and state == "committed":
+            try:  # the rendezvous made the work folder: nothing is to be published from it
+                os.rmdir(d.work.root)
+            except OSError:
+                pass
+        return promote(src, dst, src_options, dst_options, bwlimit=bwlimit, workers=workers,
+                       part_size=part_size, delete_source=delete_source)
+    if not r0:
+        man = Manifest.parse(go["manifest"].encode(), src)
+        sstore = locate(src, src_options)[0]
+        d = _Destination(dst, dst_options, man, man.id)
+        result = PromoteResult(sstore.url, d.final.url, "up-to-date" if go["done"] else
+                               "promoted", man.id, False, len(man.files), man.total_bytes)
+        if go["done"]:
+            group.gather({"error": None}, place)
+            result.seconds = round(time.monotonic() - t0, 3)
+            return result
+        journal = Journal(f"{d.journal_path()}.rank{group.rank}", {"source": man.id})
+        _adopt_published(journal, d.work.list_files() if d.work.exists() else {}, man)
+    else:
+        result = PromoteResult(sstore.url, d.final.url, "promoted", man.id, sealed,
+                               len(man.files), man.total_bytes)
+        if on_total:
+            on_total(man.total_bytes)
+    sizes = {rel: f.size for rel, f in man.files.items()}
+    order = write_order(list(man.files), sizes)
+    markers = [rel for rel in order if is_format_marker(rel)]
+    mine = group.mine([rel for rel in order if rel not in markers])
+    t = Transfer(sstore, d.work, journal=journal, algo=man.hash, limiter=limiter,
+                 part_size=part_size, workers=workers, on_bytes=on_bytes)
+    result.server_copy = t.server_copy
+    counts = {"files_sent": 0, "bytes_sent": 0, "parts_sent": 0, "parts_resumed": 0,
+              "files_skipped": 0}
+
+    def send(names):
+        for fc in copy_files(t, names, man, workers):
+            if fc.how != "skipped":
+                counts["files_sent"] += 1
+                counts["bytes_sent"] += fc.sent
+            else:
+                counts["files_skipped"] += 1
+            counts["parts_sent"] += fc.parts_sent
+            counts["parts_resumed"] += fc.parts_resumed
+
+    own = None
+    try:
+        send(mine)
+    except BaseException as e:  # noqa: BLE001 - every process must reach the gather
+        own = e
+    if not r0:
+        t.close()
+        if own is None:
+            journal.remove()  # this share is published: adoption finds it on a rerun
+        else:
+            journal.close()
+    try:
+        docs = group.gather({"error": error_doc(own) if own else None, **counts}, place)
+        if not r0:
+            if own is not None:
+                raise own
+            for k, v in counts.items():
+                setattr(result, k, v)
+            result.seconds = round(time.monotonic() - t0, 3)
+            return result
+        group.clear(place)
+        for r, doc in enumerate(docs):
+            if doc["error"] is not None:
+                if r == 0:
+                    raise own
+                e = doc["error"]
+                raise RankFailed(f"rank {r} failed: {e['message']} (nothing was committed, "
+                                 "rerun to resume)", e["exit_code"], e["code"])
+        for k in counts:
+            setattr(result, k, sum(doc[k] for doc in docs))
+        before = counts["files_sent"], counts["bytes_sent"]
+        send(markers)  # the format's markers after every process's data
+        result.files_sent += counts["files_sent"] - before[0]
+        result.bytes_sent += counts["bytes_sent"] - before[1]
+        _check_landed(d.work, man)
+        d.commit(raw, journal)
+    finally:
+        if r0:
+            t.close()
+            journal.close()
     return _finish(result, sstore, sfiles, d, delete_source, t0)
 
 

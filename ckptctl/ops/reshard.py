@@ -123,11 +123,14 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
             workers: int = 4, dry_run: bool = False, storage_options: dict | None = None,
             dst_storage_options: dict | None = None, force: bool = False,
             on_bytes: Callable[[int], None] | None = None,
-            on_total: Callable[[int], None] | None = None) -> ReshardResult:
+            on_total: Callable[[int], None] | None = None, group=None) -> ReshardResult:
     """Reshard ``src`` (any format) into a DCP checkpoint at ``dst`` for the target mesh.
 
     ``dst`` must be new or empty; ``force`` replaces what it holds. ``on_bytes(n)``: n more
-    bytes written; ``on_total(n)``: called once before writing with the plan's data bytes."""
+    bytes written; ``on_total(n)``: called once before writing with the plan's data bytes.
+    ``group``: a :class:`~ckptctl.ops.distributed.Group` (``Group.from_env()`` under
+    torchrun/srun): this process writes its share of the rank files; rank 0's result is
+    the whole run's, another rank's lists its own files and has no ``manifest_id``."""
     t0 = time.monotonic()
     r = build_rules(mesh=mesh, rules=rules, world_size=world_size)
     check_torch("reshard")  # before a byte is read or written (imported only if used)
@@ -152,7 +155,8 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
         done = copy_to_dcp(ck, plan, dst, max_memory=max_memory, workers=workers,
                            storage_options=storage_options if dst_storage_options is None
                            else dst_storage_options,
-                           force=force, command="reshard", source=src, on_bytes=on_bytes)
+                           force=force, command="reshard", source=src, on_bytes=on_bytes,
+                           group=group)
         result.manifest_id = done.manifest_id
         result.files = sorted(done.hashes)
         result.num_files = len(result.files)

@@ -18,7 +18,6 @@ Problem codes are stable (see :data:`PROBLEM_CODES`); ``ok`` is False on any pro
 """
 from __future__ import annotations
 
-import bisect
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +41,11 @@ OBJECT_SCAN_LIMIT = 64 << 20
 #: Every problem code verify reports, with what it means (compatibility view of
 #: :class:`~ckptctl.errors.ProblemCode`, the whole vocabulary).
 PROBLEM_CODES: dict[str, str] = {c.value: c.doc for c in ProblemCode if c.verify}
+
+
+#: Bytes the structure check reads per DCP chunk when it reads only the zip's tail and head;
+#: a file no larger than that times its chunks is read whole, in one request.
+STRUCTURE_READ_PER_CHUNK = 16 << 10
 
 
 @dataclass
@@ -79,7 +83,9 @@ class VerifyResult:
 
 class _Checker:
     def __init__(self, url, storage_options, level, require, check_finite, sample, workers,
-                 on_bytes, located=None, checkpoint=None, uploads=True, on_total=None):
+                 on_bytes, located=None, checkpoint=None, uploads=True, on_total=None,
+                 group=None):
+        self.group = group  # ops.distributed.Group: this process reads its share (full level)
         self.url, self.opts, self.level = url, storage_options, level
         self.located, self.opened, self.uploads = located, checkpoint, uploads
         self.require = parse_parts(require) if isinstance(require, str) else list(require or [])
@@ -245,12 +251,18 @@ class _Checker:
         Cut the tensor into the grid that all chunk edges define; each grid cell must be
         covered exactly once. DTensor layouts make that grid the mesh, so it stays small.
         """
+        import numpy as np
+
         nd = len(t.shape)
-        for c in t.chunks:
-            if any(o + s > d for o, s, d in zip(c.offsets, c.sizes, t.shape)):
-                self.add("OUT_OF_BOUNDS", f"chunk at {list(c.offsets)} size {list(c.sizes)} "
-                         f"lies outside the tensor's shape {list(t.shape)}", entry=t.name)
-                return
+        n = len(t.chunks)
+        offs = np.array([c.offsets for c in t.chunks], dtype=np.int64).reshape(n, nd)
+        ends = offs + np.array([c.sizes for c in t.chunks], dtype=np.int64).reshape(n, nd)
+        outside = (ends > np.array(t.shape, dtype=np.int64)).any(axis=1)
+        if outside.any():
+            c = t.chunks[int(outside.argmax())]
+            self.add("OUT_OF_BOUNDS", f"chunk at {list(c.offsets)} size {list(c.sizes)} "
+                     f"lies outside the tensor's shape {list(t.shape)}", entry=t.name)
+            return
         if t.numel == 0:
             return
         if not t.chunks:
@@ -260,8 +272,9 @@ class _Checker:
             if len(t.chunks) > 1:
                 self.add("CHUNK_OVERLAP", "scalar stored more than once", entry=t.name)
             return
-        cuts = [sorted({0, d} | {c.offsets[i] for c in t.chunks if c.numel}
-                       | {c.offsets[i] + c.sizes[i] for c in t.chunks if c.numel})
+        live = (ends > offs).all(axis=1)  # empty chunks cover nothing
+        lo, hi = offs[live], ends[live]
+        cuts = [np.unique(np.concatenate(([0, d], lo[:, i], hi[:, i])))
                 for i, d in enumerate(t.shape)]
         ncells = math.prod(len(x) - 1 for x in cuts)
         if ncells > 4_000_000:
@@ -270,16 +283,14 @@ class _Checker:
                 self.add("CHUNK_GAP" if total < t.numel else "CHUNK_OVERLAP",
                          f"chunks hold {total} elements of {t.numel}", entry=t.name)
             return
-        import numpy as np
-
+        first = [np.searchsorted(cuts[i], lo[:, i]) for i in range(nd)]
+        last = [np.searchsorted(cuts[i], hi[:, i]) for i in range(nd)]
         cover = np.zeros([len(x) - 1 for x in cuts], dtype=np.int32)
-        for c in t.chunks:
-            if not c.numel:
-                continue
-            box = tuple(slice(bisect.bisect_left(cuts[i], c.offsets[i]),
-                              bisect.bisect_left(cuts[i], c.offsets[i] + c.sizes[i]))
-                        for i in range(nd))
-            cover[box] += 1
+        if all((b - a == 1).all() for a, b in zip(first, last)):
+            np.add.at(cover, tuple(first), 1)  # each chunk is one cell: a mesh layout
+        else:
+            for k in range(len(lo)):
+                cover[tuple(slice(first[i][k], last[i][k]) for i in range(nd))] += 1
         if (cover > 1).any():
             self.add("CHUNK_OVERLAP", "chunks cover part of the tensor more than once",
                      entry=t.name)
@@ -293,15 +304,29 @@ class _Checker:
         from ..formats.tensorio import open_zstd_chunk, check_stored, locate_payload
 
         ck = self.ck
-        jobs = [(t, c) for t in ck.tensors.values() for c in t.chunks
-                if c.extent.encoding in ("torch_zip", "torch_zip+zstd") and self._inside(c.extent)]
+        by_file: dict[str, list] = {}  # file -> [(index, tensor, chunk)]: one job per file
+        for i, (t, c) in enumerate((t, c) for t in ck.tensors.values() for c in t.chunks
+                                   if c.extent.encoding in ("torch_zip", "torch_zip+zstd")
+                                   and self._inside(c.extent)):
+            by_file.setdefault(c.extent.file, []).append((i, t, c))
+        pickles: dict = {}  # data.pkl bytes -> parsed: the chunks of a tensor share them
+        keep = self.level == "full"  # the full pass reads each payload where these say
 
-        def one(job):
-            t, c = job
+        def one_file(rel):
+            chunks = by_file[rel]
+            read = None
+            # A file of many small chunks (thousands of ranks) is read once, whole; that is
+            # no more bytes than a tail and a head per chunk. Large chunks: only those reads.
+            if self.files[rel] <= min(len(chunks) * STRUCTURE_READ_PER_CHUNK, 64 << 20):
+                blob = self.store.read_range(rel, 0, self.files[rel])
+                read = lambda _rel, a, b: blob[a:b]  # noqa: E731
+            return [(i, r) for i, t, c in chunks if (r := one(t, c, read)) is not None]
+
+        def one(t, c, read):
             where = self.store.display(c.extent.file)
             try:
                 if c.extent.encoding == "torch_zip":
-                    p = locate_payload(ck, c.extent)
+                    p = locate_payload(ck, c.extent, read=read, cache=keep, pickles=pickles)
                     check_stored(t, c, p.stored, p.length, where)
                 else:
                     open_zstd_chunk(ck, t, c, read_size=64 << 10).close()
@@ -333,7 +358,8 @@ class _Checker:
             return None
 
         with ThreadPoolExecutor(self.workers) as pool:
-            for res in list(pool.map(one, jobs)) + list(pool.map(obj, objs)):
+            found = sorted(hit for hits in pool.map(one_file, by_file) for hit in hits)
+            for res in [r for _, r in found] + list(pool.map(obj, objs)):
                 if res:
                     code, msg, rel, name = res
                     self.add(code, msg, path=self.store.display(rel), entry=name)
@@ -377,6 +403,8 @@ class _Checker:
         algo = normalize_algo(self.manifest.hash) if sealed else None
         self.result.hash = algo
         files = self._sampled(self._data_files())
+        if self.group is not None and self.group.active:  # file i: process i % world size
+            files = self.group.mine(files)
         chosen = set(files)
         regions: dict[str, list] = {rel: [] for rel in files}
         side: list = []  # (kind, entry, chunk): decoded apart from the file scan
@@ -504,6 +532,7 @@ class _Checker:
             self.add("NON_FINITE", f"{counts['nan']} NaN, {counts['inf']} Inf", entry=name)
         self.result.files_read = read
         self.result.tensors_checked = len(tensors_seen)
+        self._share = {"files": files, "crc_files": crc_files, "tensors": tensors_seen}
         if sealed:
             self.result.content = "hashes"
         else:
@@ -572,14 +601,19 @@ class _Checker:
         if not fatal and self.level in ("structure", "full"):
             self.store.cache_small_files(self.files)  # reading chunks: whole small files
             self.structure()
-        if not fatal and self.level == "full":
+        if self.level == "full" and self.group is not None and self.group.active:
+            from .distributed import full_shared
+
+            full_shared(self.group, self, run=not fatal)  # rank 0 gets every finding
+        elif not fatal and self.level == "full":
             self.full()
         r = self.result
         r.files_checked = len([rel for rel in getattr(self, "files", {})
                                if rel != MANIFEST and not is_temp_name(rel)])
         r.problems = self.problems
         r.ok = not self.problems
-        r.bytes_read = self.store.stats.bytes_read if hasattr(self, "store") else 0
+        r.bytes_read = (self.store.stats.bytes_read if hasattr(self, "store") else 0) \
+            + getattr(self, "_other_bytes", 0)
         r.seconds = round(time.monotonic() - t0, 3)
         return r
 
@@ -600,7 +634,7 @@ def verify(url: str, storage_options: dict | None = None, *, level: str = "struc
            sample: float | None = None, workers: int = 4,
            on_bytes: Callable[[int], None] | None = None, located: tuple | None = None,
            checkpoint: Checkpoint | None = None, uploads: bool = True,
-           on_total: Callable[[int], None] | None = None) -> VerifyResult:
+           on_total: Callable[[int], None] | None = None, group=None) -> VerifyResult:
     """Check the checkpoint at ``url``; problems are collected, not raised.
 
     Raises only when the place cannot be read at all (exit 3): not found, unreachable.
@@ -610,6 +644,9 @@ def verify(url: str, storage_options: dict | None = None, *, level: str = "struc
     ``uploads=False`` skips the look for orphaned S3 multipart uploads (one more listing;
     they are only ever warnings). ``on_bytes(n)``: n more bytes read (full level);
     ``on_total(n)``: called once before the reads with the bytes they come to.
+    ``group``: a :class:`~ckptctl.ops.distributed.Group` (``Group.from_env()`` under
+    torchrun/srun): the full level's files are split over the processes and rank 0's
+    result holds every finding (``bytes_read``: all processes together).
     """
     if level not in LEVELS:
         raise UsageError(f"unknown level {level!r} (choose from {', '.join(LEVELS)})")
@@ -619,4 +656,4 @@ def verify(url: str, storage_options: dict | None = None, *, level: str = "struc
         raise UsageError(f"--sample needs --level full (it picks the files whose contents "
                          f"are read; --level {level} reads none)")
     return _Checker(url, storage_options, level, require, check_finite, sample, workers,
-                    on_bytes, located, checkpoint, uploads, on_total).run()
+                    on_bytes, located, checkpoint, uploads, on_total, group=group).run()
