@@ -44,6 +44,8 @@ demo: venv
 	$(BIN)/ckptctl unpack $(DEMO)/cold/step-20 $(DEMO)/restored/step-20
 	$(BIN)/ckptctl diff $(DEMO)/run1/step-20 $(DEMO)/restored/step-20
 	$(BIN)/ckptctl ls $(DEMO)
+	@echo "== watch: training saves to hot while watch drains hot -> warm -> cold (loopback S3, packs) and trims each tier"
+	$(BIN)/python tests/fixtures/watch_demo.py $(DEMO)/watch
 
 test: venv
 	$(BIN)/python -m pytest -n 2 -q

@@ -278,3 +278,161 @@ def test_loop_sigterm_exits_0_and_sigkill_resumes(tmp_path):
     assert proc.returncode == 0, err
     assert _names(str(warm)) == {f"step-{s}": "sealed" for s in (100, 200, 300)}
     assert read_status(str(cfg))["in_flight"] is None
+
+
+def _fill(mnt: Path) -> Path:
+    """Fill the file system at ``mnt``: a ballast file beside the tier grows until ENOSPC."""
+    import errno
+
+    ballast = mnt / "ballast"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        block = b"\0" * 4096
+        while True:
+            os.write(fd, block)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+    return ballast
+
+
+def test_warm_full_is_reported_retried_deletes_nothing_and_drains_when_freed(
+        tmp_path, small_tmpfs):
+    """The warm tier on a size-capped tmpfs, filled: the hop fails with ENOSPC (event,
+    status, --status text), is retried with a doubling backoff, hot keeps what warm lacks
+    (nothing deleted because of it), nothing half-visible appears in warm; once space is
+    freed the next retry drains it and only then is hot trimmed."""
+    mnt = small_tmpfs("1m")
+    warm = mnt / "warm"
+    cfg = _config(tmp_path, warm=str(warm), hot_keep=1, warm_keep=2)
+    hot = tmp_path / "hot"
+    _step(hot, 100)
+    now = [1000.0]
+    w = Watcher(load_config(str(cfg)), settle=0, backoff=10, clock=lambda: now[0])
+    assert w.run_once().drained
+    ballast = _fill(mnt)
+    for s in (200, 300):
+        _step(hot, s)
+    r = w.run_once()
+    assert not r.drained and not r.promoted
+    (f,) = r.failed
+    assert (f.what, f.tier, f.name, f.attempts, f.next_retry) == \
+        ("promote", "warm", "step-200", 1, 1010.0)
+    assert "no space left" in f.message.lower(), f.message
+    assert {"tier": "hot", "name": "step-300", "why": "waiting for warm"} in r.pending
+    # keep last 1 in hot: step-100 (in warm) goes, the two warm lacks stay
+    assert _names(str(hot)) == {"step-200": "sealed", "step-300": "sealed"}
+    assert r.removed == {"hot": ["step-100"], "warm": []}
+    # nothing half-visible in warm: only step-100 is a checkpoint there
+    assert _names(str(warm)) == {"step-100": "sealed"}
+    assert [x for x in os.listdir(warm) if not x.startswith(".")] == ["step-100"]
+    st = read_status(str(cfg))
+    assert st["failed"]["promote hot->warm:step-200"]["code"] and not st["last_pass"]["drained"]
+    code, out, _ = run_cli("--config", str(cfg), "watch", "--status")
+    assert code == 0 and "failed: promote hot->warm:step-200" in out \
+        and "no space left" in out.lower(), out
+    # before the retry time: not tried; after it, still full: tried, the delay doubles
+    now[0] += 5
+    assert [x.attempts for x in w.run_once().failed] == [1]
+    now[0] += 10
+    r = w.run_once()
+    assert [(x.attempts, x.next_retry) for x in r.failed] == [(2, 1035.0)]
+    assert _names(str(hot)) == {"step-200": "sealed", "step-300": "sealed"}
+    assert not any(r.removed.values())
+    # space freed: the next retry drains; then hot and warm are trimmed by their keep
+    ballast.unlink()
+    now[0] += 20
+    r = w.run_once()
+    assert r.drained, r.to_dict()
+    assert [h.name for h in r.promoted] == ["step-200", "step-300"]
+    assert _names(str(hot)) == {"step-300": "sealed"}
+    assert _names(str(warm)) == {"step-200": "sealed", "step-300": "sealed"}
+    assert sorted(os.listdir(warm)) == ["step-200", "step-300"]  # no work folder left
+    for s in (200, 300):
+        assert verify(str(warm / f"step-{s}"), level="full").ok
+    events = _events(cfg)
+    assert [e["event"] for e in events].count("failed") == 2
+    assert any(e["event"] == "recovered" for e in events)
+    removed = [e["name"] for e in events if e["event"] == "removed" and e["tier"] == "hot"]
+    assert sorted(removed) == ["step-100", "step-200"]
+
+
+def test_config_change_of_the_tiers_retries_at_once(tmp_path):
+    """A failure's backoff is kept across restarts under the same config, but an edit of
+    the tiers involved (warm moved to a place that works) is tried at once, its attempts
+    counted afresh; an edit of an uninvolved tier changes nothing."""
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("a file where warm's parent should be")
+    cfg = _config(tmp_path, warm=str(blocker / "warm"))
+    _step(tmp_path / "hot", 100)
+    now = [1000.0]
+
+    def clock():
+        return now[0]
+
+    r = Watcher(load_config(str(cfg)), settle=0, backoff=60, clock=clock).run_once()
+    assert [(f.what, f.attempts, f.next_retry) for f in r.failed] == [("promote", 1, 1060.0)]
+    now[0] += 10
+    # a restart under the same config waits for the retry time
+    r = Watcher(load_config(str(cfg)), settle=0, backoff=60, clock=clock).run_once()
+    assert [(f.attempts, f.next_retry) for f in r.failed] == [(1, 1060.0)]
+    # hot's keep edited: a hop hot->warm involves hot, so it is tried again, and fails
+    # again at attempt 1 (the new config's first)
+    text = cfg.read_text()
+    cfg.write_text(text.replace("keep = { last = 1 }", "keep = { last = 3 }", 1))
+    r = Watcher(load_config(str(cfg)), settle=0, backoff=60, clock=clock).run_once()
+    assert [(f.attempts, f.next_retry) for f in r.failed] == [(1, 1070.0)]
+    # warm moved to a place that works: tried at once, drained
+    cfg.write_text(cfg.read_text().replace(str(blocker / "warm"), str(tmp_path / "warm")))
+    r = Watcher(load_config(str(cfg)), settle=0, backoff=60, clock=clock).run_once()
+    assert r.drained and [h.name for h in r.promoted] == ["step-100"], r.to_dict()
+    kinds = [e["event"] for e in _events(cfg)]
+    assert kinds.count("config-changed") == 2 and kinds.count("recovered") == 1
+    assert read_status(str(cfg))["failed"] == {}
+
+
+def test_status_shows_plan_figures_from_what_watch_measured(tmp_path):
+    """--status (text and --json) reports plan's figures from the hops watch timed and
+    the checkpoints' arrival times: checked against plan's own arithmetic on the same
+    numbers."""
+    from ckptctl.ops.plan import drain_seconds, local_capacity, node_bandwidth
+    from ckptctl.ops.watch import measured_plan
+
+    cfg = _config(tmp_path, hot_keep=5, warm_keep=5)
+    hot = tmp_path / "hot"
+    w = Watcher(load_config(str(cfg)), settle=0)
+    code, out, _ = run_cli("--config", str(cfg), "watch", "--status", "--json")
+    assert code == 0 and json.loads(out)["plan"] is None  # no watch has run
+    for s, when in ((100, 1000.0), (200, 1100.0), (300, 1300.0)):
+        p = _step(hot, s)
+        for f in p.iterdir():
+            os.utime(f, (when, when))  # the commit marker's time is the arrival time
+        w.run_once()
+    st = read_status(str(cfg))
+    assert [(a["name"], a["time"]) for a in st["arrivals"]] == \
+        [("step-100", 1000.0), ("step-200", 1100.0), ("step-300", 1300.0)]
+    size = st["arrivals"][-1]["bytes"]
+    hop = [d for d in st["done"] if d["name"] == "step-300"][-1]
+    rate = hop["bytes"] / hop["seconds"]
+    code, out, err = run_cli("--config", str(cfg), "watch", "--status", "--json")
+    assert code == 0, err
+    doc = json.loads(out)["plan"]
+    assert doc == measured_plan(load_config(str(cfg)), st).to_dict()
+    assert (doc["checkpoint"], doc["checkpoint_bytes"]) == ("step-300", size)
+    assert (doc["interval_seconds"], doc["gaps"]) == (150.0, 2)  # median of 100 and 200
+    assert doc["node_bandwidth_bytes_per_second"] == node_bandwidth(size, 1, 150.0)
+    assert doc["local_capacity_bytes"] == local_capacity(size, 1)
+    (h,) = doc["hops"]
+    assert (h["src"], h["dst"], h["bytes"]) == ("hot", "warm", size)
+    assert h["bytes_per_second"] == pytest.approx(rate)
+    assert h["drain_seconds"] == pytest.approx(drain_seconds(size, rate))
+    assert h["fits"] is True and doc["all_fit"] is True
+    rec = {r["tier"]: r for r in doc["recovery"]}
+    assert rec["hot"]["rate_source"] == "hot measured read"  # the hop out of hot
+    assert rec["warm"]["rate_source"] == "warm measured write"  # nothing read from it yet
+    assert rec["warm"]["seconds"] == pytest.approx(drain_seconds(size, rate))
+    code, out, err = run_cli("--config", str(cfg), "watch", "--status")
+    assert code == 0, err
+    assert "plan from what watch measured" in out and "interval tau = 150.0 s" in out
+    assert "B >= S/(P tau)" in out and "hot -> warm" in out and "recover from" in out

@@ -66,13 +66,15 @@ def torch_full(v):
     return torch.full((4,), float(v))
 
 
-def _write_config(tmp_path: Path, srv, bucket: str) -> Path:
-    """hot (keep last 2) -> warm (keep last 3) -> cold (S3, packs, keep everything); written
-    again (atomically) when the S3 server comes back on another port."""
+def _write_config(tmp_path: Path, srv, bucket: str, warm: Path | None = None) -> Path:
+    """hot (keep last 2) -> warm (keep last 3; ``warm`` or TMP/warm) -> cold (S3, packs,
+    keep everything); written again (atomically) when the S3 server comes back on another
+    port."""
     opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in srv.storage_options.items()
                      if not isinstance(v, dict))
     text = (f'[[tier]]\nname = "hot"\nurl = "{tmp_path / "hot"}"\nkeep = {{ last = 2 }}\n'
-            f'[[tier]]\nname = "warm"\nurl = "{tmp_path / "warm"}"\nkeep = {{ last = 3 }}\n'
+            f'[[tier]]\nname = "warm"\nurl = "{warm or tmp_path / "warm"}"\n'
+            'keep = { last = 3 }\n'
             f'[[tier]]\nname = "cold"\nurl = "s3://{bucket}/run1"\npack = true\n'
             f'storage_options = {{ {opts} }}\n')
     path = tmp_path / "ckptctl.toml"
@@ -140,12 +142,12 @@ def _wait_drained(cfg: Path, env: dict, after: float, timeout: float) -> dict:
                 f"{json.dumps(doc, indent=1)}")
 
 
-def _check_tiers(tmp_path: Path, srv, bucket: str) -> None:
+def _check_tiers(tmp_path: Path, srv, bucket: str, warm: Path | None = None) -> None:
     """Each tier holds exactly the expected checkpoints, all sealed, each verifying at
     level full, and nothing else (no staging folder, journal or stray object)."""
     opts = srv.storage_options
-    urls = {"hot": str(tmp_path / "hot"), "warm": str(tmp_path / "warm"),
-            "cold": f"s3://{bucket}/run1"}
+    warm = warm or tmp_path / "warm"
+    urls = {"hot": str(tmp_path / "hot"), "warm": str(warm), "cold": f"s3://{bucket}/run1"}
     for tier, url in urls.items():
         o = opts if tier == "cold" else None
         states = {r.name: r.state for r in ls(url, o).checkpoints}
@@ -154,13 +156,14 @@ def _check_tiers(tmp_path: Path, srv, bucket: str) -> None:
             r = verify(f"{url}/{name}", o, level="full")
             assert r.ok, (tier, name, r)
     assert sorted(os.listdir(tmp_path / "hot")) == sorted(EXPECTED["hot"])
-    assert sorted(os.listdir(tmp_path / "warm")) == sorted(EXPECTED["warm"])
+    assert sorted(os.listdir(warm)) == sorted(EXPECTED["warm"])
     fs = fresh_fs(srv)
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{bucket}/run1")) == sorted(ALL)
     assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(bucket)) == ["run1"]
 
 
-def _finish(tmp_path, cfg, env, watch: _Watch, train_end: float, srv, bucket, timeout):
+def _finish(tmp_path, cfg, env, watch: _Watch, train_end: float, srv, bucket, timeout,
+            warm: Path | None = None):
     doc = _wait_drained(cfg, env, train_end, timeout)
     assert doc["in_flight"] is None and doc["queued"] == []
     assert watch.term() == 0, watch.err.read_text()  # SIGTERM: exit 0
@@ -172,7 +175,21 @@ def _finish(tmp_path, cfg, env, watch: _Watch, train_end: float, srv, bucket, ti
     p = json.loads(r.stdout)
     assert p["drained"] and not p["promoted"] and not p["sealed"], p
     assert not any(p["removed"].values()), p
-    _check_tiers(tmp_path, srv, bucket)
+    _check_tiers(tmp_path, srv, bucket, warm)
+    _removed_only_after_promoted(_events(tmp_path))
+
+
+def _removed_only_after_promoted(events: list[dict]) -> None:
+    """The rail, read from the event log: a checkpoint is removed from hot or warm only
+    after an earlier event says it was promoted to the next tier (never because of an
+    error)."""
+    nxt = {"hot": "warm", "warm": "cold"}
+    promoted: set[tuple[str, str]] = set()
+    for e in events:
+        if e["event"] == "promoted":
+            promoted.add((e["name"], e["dst"]))
+        elif e["event"] == "removed":
+            assert (e["name"], nxt[e["tier"]]) in promoted, e
 
 
 def _events(tmp_path: Path) -> list[dict]:
@@ -272,6 +289,85 @@ def test_watch_killed_and_s3_restarted_during_training(tmp_path):
         promoted = {(e["name"], e["dst"]) for e in events if e["event"] == "promoted"}
         assert promoted == {(n, t) for n in ALL for t in ("warm", "cold")}
         assert read_status(str(cfg))["in_flight"] is None
+    finally:
+        if train is not None and train.poll() is None:
+            train.kill()
+            train.wait(10)
+        watch.cleanup()
+        srv.stop()
+
+
+def _fill(mnt: Path) -> Path:
+    """Fill the file system at ``mnt``: a ballast file beside the tier grows until ENOSPC."""
+    import errno
+
+    ballast = mnt / "ballast"
+    fd = os.open(ballast, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError as e:
+        assert e.errno == errno.ENOSPC, e
+    finally:
+        os.close(fd)
+    return ballast
+
+
+def _wait_event(tmp_path: Path, watch: _Watch, what, timeout: float = 60) -> dict:
+    end = time.monotonic() + timeout
+    while True:
+        found = [e for e in _events(tmp_path) if what(e)]
+        if found:
+            return found[0]
+        assert time.monotonic() < end, f"no such event within {timeout:.0f} s"
+        assert watch.proc.poll() is None, watch.err.read_text()
+        time.sleep(0.2)
+
+
+@pytest.mark.slow
+def test_warm_tier_full_during_training(tmp_path, small_tmpfs):
+    """warm on a size-capped tmpfs, filled up after its first checkpoint arrived: watch
+    reports ENOSPC (event, status), keeps everything warm lacks in hot, shows nothing
+    half-written in warm, and drains the backlog once the space is freed (after its
+    backoff); at the end every tier holds what its keep says, and it verifies."""
+    bucket = "e2e"
+    srv = _start_s3(tmp_path / "s3root", bucket)
+    (tmp_path / "hot").mkdir()
+    mnt = small_tmpfs("4m")
+    warm = mnt / "warm"
+    cfg = _write_config(tmp_path, srv, bucket, warm)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    watch = _Watch(cfg, env, tmp_path)
+    train = None
+    try:
+        watch.start()
+        train = _train(tmp_path / "hot", sleep=0.06)
+        _wait_event(tmp_path, watch, lambda e: e["event"] == "promoted" and e["dst"] == "warm")
+        ballast = _fill(mnt)
+        e = _wait_event(tmp_path, watch, lambda e: e["event"] == "failed" and e["tier"] == "warm")
+        assert "no space left" in e["message"].lower(), e
+        # the status file is saved at the end of the pass that met it
+        end = time.monotonic() + 60
+        while not any(k.startswith("promote hot->warm:")
+                      for k in (read_status(str(cfg)) or {}).get("failed", {})):
+            assert time.monotonic() < end, read_status(str(cfg))
+            time.sleep(0.2)
+        # while full: nothing half-visible in warm, and hot keeps what warm lacks
+        assert {r.state for r in ls(str(warm)).checkpoints} == {"sealed"}
+        in_warm = {r.name for r in ls(str(warm)).checkpoints}
+        hot_now = {r.name for r in ls(str(tmp_path / "hot")).checkpoints}
+        assert e["name"] in hot_now and e["name"] not in in_warm
+        time.sleep(2)  # a few more checkpoints meet the full tier
+        ballast.unlink()
+        _, err = train.communicate(timeout=120)
+        assert train.returncode == 0, err
+        train_end = time.time()
+        # the failed hop is retried after its backoff (30 s), then the backlog drains
+        _finish(tmp_path, cfg, env, watch, train_end, srv, bucket, timeout=150, warm=warm)
+        events = _events(tmp_path)
+        assert any(e["event"] == "recovered" for e in events), events
+        promoted = {(e["name"], e["dst"]) for e in events if e["event"] == "promoted"}
+        assert promoted == {(n, t) for n in ALL for t in ("warm", "cold")}
     finally:
         if train is not None and train.poll() is None:
             train.kill()

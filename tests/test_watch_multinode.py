@@ -4,8 +4,13 @@ after both parts arrived, and verifies; no hot tier loses its part before that c
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +20,7 @@ from ckptctl.formats.manifest import MANIFEST
 from ckptctl.ops.ls import ls
 from ckptctl.ops.multinode import node_rank_from_env
 from ckptctl.ops.verify import verify
-from ckptctl.ops.watch import Watcher
+from ckptctl.ops.watch import Watcher, state_dir
 
 
 @pytest.fixture(autouse=True)
@@ -23,16 +28,17 @@ def _cache(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
-def _split(tmp_path: Path, step: int = 100) -> dict[str, int]:
-    """One real DCP checkpoint (3 data files), split: node 0 gets .metadata + __0_0,
-    node 1 the rest. Returns the whole checkpoint's file sizes."""
+def _split(tmp_path: Path, step: int = 100, rows: int = 64) -> dict[str, int]:
+    """One real DCP checkpoint (3 data files; six ROWSx32 fp32 tensors), split: node 0
+    gets .metadata + __0_0, node 1 the rest. Returns the whole checkpoint's file sizes."""
     import warnings
 
     import torch
     import torch.distributed.checkpoint as dcp
 
     g = torch.Generator().manual_seed(step)
-    sd = {"model": {f"w{i}": torch.randn(64, 32, generator=g) for i in range(6)}, "step": step}
+    sd = {"model": {f"w{i}": torch.randn(rows, 32, generator=g) for i in range(6)},
+          "step": step}
     whole = tmp_path / "whole" / f"step-{step}"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -97,6 +103,16 @@ def test_two_nodes_interleaved_local(tmp_path, order):
     p = second.run_once()
     assert p.sealed == ["step-100"]
     _check_done(ws, warm, opts, tmp_path, files)
+    # each node's part copy is timed: --status's plan figures are per node (S = its part)
+    from ckptctl.ops.watch import measured_plan, read_status
+
+    for w in ws:
+        st = read_status(w.config.path, w.node_rank)
+        (d,) = st["done"]
+        assert (d["action"], d["src"], d["dst"]) == ("part", "hot", "warm")
+        mp = measured_plan(w.config, st)
+        assert (mp.checkpoint, mp.checkpoint_bytes) == ("step-100", d["bytes"])
+        assert mp.hops[0].bytes_per_second == d["bytes"] / d["seconds"]
     for node in (0, 1):  # keep last 1: the only checkpoint stays
         assert (tmp_path / f"hot{node}" / "step-100").is_dir()
 
@@ -178,3 +194,171 @@ def test_env_fallback_and_cli_flag(tmp_path, monkeypatch):
     code, out, err = run_cli("--config", str(cfg), "watch", "--once", "--no-nice",
                              "--node-rank", "1")
     assert code == 2 and "--node-rank needs" in err, (code, out, err)
+
+
+# ----------------------------------------------------------------- faults, two processes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _node_configs(tmp_path: Path, srv, bucket: str) -> list[Path]:
+    """node N: hot = TMP/hotN (keep last 1) -> the shared tier on S3 at 1 MiB/s (a part
+    takes a couple of seconds: time to kill its watcher mid-copy); written again
+    (atomically) when the server comes back on another port."""
+    opts = ", ".join(f"{k} = {json.dumps(v)}" for k, v in srv.storage_options.items()
+                     if not isinstance(v, dict))
+    paths = []
+    for node in (0, 1):
+        path, tmp = tmp_path / f"node{node}.toml", tmp_path / f"node{node}.toml.tmp"
+        tmp.write_text(f'[[tier]]\nname = "hot"\nurl = "{tmp_path / f"hot{node}"}"\n'
+                       'keep = { last = 1 }\n'
+                       f'[[tier]]\nname = "warm"\nurl = "s3://{bucket}/shared"\n'
+                       f'bwlimit = "1MiB/s"\nstorage_options = {{ {opts} }}\n')
+        os.replace(tmp, path)
+        paths.append(path)
+    return paths
+
+
+class _NodeWatch:
+    """``ckptctl watch --node-rank N`` in loop mode, as a subprocess."""
+
+    def __init__(self, node: int, cfg: Path, env: dict, logdir: Path):
+        self.node, self.cfg, self.env, self.logdir = node, cfg, env, logdir
+        self.proc = None
+        self.starts = 0
+
+    def start(self) -> None:
+        self.starts += 1
+        self.err = self.logdir / f"node{self.node}-{self.starts}.err"
+        with open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "ckptctl", "--config", str(self.cfg), "watch",
+                 "--node-rank", str(self.node), "--interval", "0.2", "--settle", "0",
+                 "--no-nice"], stdout=subprocess.DEVNULL, stderr=err, env=self.env, cwd=ROOT)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(10)
+
+    def alive(self) -> None:
+        assert self.proc.poll() is None, self.err.read_text()
+
+    def events(self) -> list[dict]:
+        path = Path(state_dir(str(self.cfg), self.node)) / "events.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(x) for x in path.read_text().splitlines(keepends=True)
+                if x.endswith("\n")]
+
+    def cleanup(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill()
+
+
+@pytest.mark.slow
+def test_two_nodes_with_watcher_killed_mid_copy_and_s3_restarted(tmp_path):
+    """Two watcher processes, a shared tier on a loopback S3 server. Node 1's watcher is
+    SIGKILLed while it uploads its part, then the server is killed mid-upload and comes back
+    on another port (the configs follow: the edited tier is retried at once). Throughout,
+    no hot tier loses a part before the shared tier holds that checkpoint committed; at the
+    end both checkpoints are committed there exactly once, only after both parts, and
+    verify at level full; the older one's parts are trimmed from both hot tiers."""
+    from s3server import make_bucket, start_rclone
+
+    from ckptctl.ops.watch import read_status
+
+    files = {s: _split(tmp_path, s, rows=8192) for s in (100, 200)}  # ~1 MiB per tensor
+    bucket, root = "nodes", tmp_path / "s3root"
+    srv = start_rclone(root)
+    make_bucket(srv, bucket)
+    cfgs = _node_configs(tmp_path, srv, bucket)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    nodes = [_NodeWatch(n, cfgs[n], env, tmp_path) for n in (0, 1)]
+    shared = f"s3://{bucket}/shared"
+    hot = [tmp_path / "hot0", tmp_path / "hot1"]
+
+    def opts():
+        return srv.storage_options
+
+    def committed() -> set[str]:
+        try:
+            return {r.name for r in ls(shared, opts()).checkpoints
+                    if r.state in ("sealed", "complete")}
+        except Exception:  # the server is down right now: nothing to check against
+            return None
+
+    def check_rail() -> None:
+        """A part missing from a hot tier must be committed in the shared tier."""
+        gone = {f"step-{s}" for s in (100, 200) for h in hot if not (h / f"step-{s}").exists()}
+        if gone:
+            done = committed()
+            assert done is None or gone <= done, (gone, done)
+
+    def upload_seen(part: str) -> bool:
+        return any(r.method in ("PUT", "POST") and part in r.key for r in srv.request_log())
+
+    def wait(cond, what: str, timeout: float = 90) -> None:
+        end = time.monotonic() + timeout
+        while not cond():
+            assert time.monotonic() < end, f"timed out waiting for {what}"
+            for w in nodes:
+                if w.proc is not None:
+                    w.alive()
+            check_rail()
+            time.sleep(0.1)
+
+    try:
+        # node 1 alone: killed while it uploads its part of step-100
+        srv.reset_log()
+        nodes[1].start()
+        wait(lambda: upload_seen("step-100/__0_1.distcp"), "node 1's first upload")
+        time.sleep(0.5)
+        nodes[1].kill()
+        assert committed() == set()  # one part is not a checkpoint
+        assert (hot[1] / "step-100").is_dir()
+        # restarted; the server dies under its next upload
+        srv.reset_log()
+        nodes[1].start()
+        wait(lambda: upload_seen("shared/step-"), "node 1's upload after its restart")
+        srv.kill()
+        wait(lambda: any(e["event"] == "failed" for e in nodes[1].events()),
+             "node 1 to meet the server down")
+        assert all((h / f"step-{s}").is_dir() for h in hot for s in (100, 200))
+        # the server comes back (same data, another port); the configs follow
+        nodes[1].kill()
+        srv.stop()
+        srv = start_rclone(root)
+        cfgs = _node_configs(tmp_path, srv, bucket)
+        nodes[1].start()
+        nodes[0].start()
+
+        def drained() -> bool:
+            docs = [read_status(str(c), n) for n, c in enumerate(cfgs)]
+            return committed() == {"step-100", "step-200"} and all(
+                d and (d.get("last_pass") or {}).get("drained") and not d.get("failed")
+                for d in docs)
+
+        wait(drained, "both checkpoints committed and both nodes drained", timeout=180)
+        wait(lambda: not any((h / "step-100").exists() for h in hot), "hot trimmed")
+        for w in nodes:
+            w.proc.send_signal(signal.SIGTERM)
+            assert w.proc.wait(30) == 0, w.err.read_text()
+        events = [e for w in nodes for e in w.events()]
+        assert any(e["event"] == "config-changed" for e in events), events
+        for s in (100, 200):
+            name = f"step-{s}"
+            sealed = [e for e in events if e["event"] == "sealed" and e["name"] == name]
+            assert sealed and len({e["manifest_id"] for e in sealed}) == 1, sealed
+            url = f"{shared}/{name}"
+            r = verify(url, opts(), level="full")
+            assert r.ok, r
+            from ckptctl.storage import open_store
+
+            there = open_store(url, opts()).list_files()
+            assert {k: v for k, v in there.items() if k != MANIFEST} == files[s]
+        for h in hot:
+            assert sorted(x.name for x in h.iterdir()) == ["step-200"]
+    finally:
+        for w in nodes:
+            w.cleanup()
+        srv.stop()

@@ -29,6 +29,28 @@ def human_bytes(n: int | None) -> str:
     return str(n)
 
 
+def human_rate(r: float | None) -> str:
+    """Bytes per second for people; ``unknown`` when not measured.
+
+    >>> human_rate(3 << 20), human_rate(None)
+    ('3.0 MiB/s', 'unknown')
+    """
+    return "unknown" if not r else f"{human_bytes(int(r))}/s"
+
+
+def human_seconds(s: float | None) -> str:
+    """Seconds for people, with the duration spelled out past a minute.
+
+    >>> human_seconds(1099.3), human_seconds(None)
+    ('1,099.3 s (18m19s)', 'unknown')
+    """
+    if s is None:
+        return "unknown"
+    from ..ops.policy import format_duration
+
+    return f"{s:,.1f} s" if s < 60 else f"{s:,.1f} s ({format_duration(s)})"
+
+
 def human_count(n: int) -> str:
     for unit, div in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= div:

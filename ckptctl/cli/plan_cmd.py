@@ -6,19 +6,8 @@ from typing import List, Optional
 import typer
 
 from .app import app
-from .common import JsonOpt, QuietOpt, emit_json, human_bytes, print_table, say
-
-
-def _rate(r: float | None) -> str:
-    return "unknown" if not r else f"{human_bytes(int(r))}/s"
-
-
-def _secs(s: float | None) -> str:
-    if s is None:
-        return "unknown"
-    from ..ops.policy import format_duration
-
-    return f"{s:,.1f} s" if s < 60 else f"{s:,.1f} s ({format_duration(s)})"
+from .common import (JsonOpt, QuietOpt, emit_json, human_bytes, human_rate, human_seconds,
+                     print_table, say)
 
 
 def _size(flag: str, text: str) -> int:
@@ -171,32 +160,32 @@ def _show(r) -> None:
     src = f" ({r.checkpoint_url})" if r.checkpoint_url else ""
     say(f"checkpoint S = {human_bytes(r.checkpoint_bytes)} ({r.checkpoint_bytes:,} bytes){src}"
         f" on P = {r.nodes} node{'s' if r.nodes != 1 else ''}; save C = {r.save_seconds:g} s;"
-        f" MTBF = {_secs(r.mtbf_seconds)}")
-    say(f"optimal interval tau* = sqrt(2 C MTBF) = {_secs(r.optimal_interval_seconds)}")
+        f" MTBF = {human_seconds(r.mtbf_seconds)}")
+    say(f"optimal interval tau* = sqrt(2 C MTBF) = {human_seconds(r.optimal_interval_seconds)}")
     say(f"overhead at the optimal interval: {r.overhead_optimal:.2%} "
         f"({r.hours_lost_per_day_optimal:.2f} h lost per day)")
     if r.chosen_interval_seconds is not None:
         say(f"overhead at the chosen interval {format_duration(r.chosen_interval_seconds)}: "
             f"{r.overhead_chosen:.2%} ({r.hours_lost_per_day_chosen:.2f} h lost per day)")
     which = "chosen" if r.chosen_interval_seconds is not None else "optimal"
-    say(f"per-node drain bandwidth B >= S/(P tau) = {_rate(r.node_bandwidth_bytes_per_second)}"
-        f" at the {which} interval ({_rate(r.total_bandwidth_bytes_per_second)} in all)")
+    say(f"per-node drain bandwidth B >= S/(P tau) = {human_rate(r.node_bandwidth_bytes_per_second)}"
+        f" at the {which} interval ({human_rate(r.total_bandwidth_bytes_per_second)} in all)")
     say(f"local capacity per node 2 S/P = {human_bytes(r.local_capacity_bytes)} "
         "(current + previous checkpoint)")
     for m in r.measured:
         say(f"measured {m.tier}: wrote {human_bytes(m.write_bytes)} in {m.write_seconds:.2f} s"
-            f" ({_rate(m.write_bytes_per_second)}), read {human_bytes(m.read_bytes)} in "
-            f"{m.read_seconds:.2f} s ({_rate(m.read_bytes_per_second)})"
+            f" ({human_rate(m.write_bytes_per_second)}), read {human_bytes(m.read_bytes)} in "
+            f"{m.read_seconds:.2f} s ({human_rate(m.read_bytes_per_second)})"
             + (", page cache dropped first" if m.cache_dropped else "")
             + "; test object removed")
     if r.hops:
         rows = [[f"{h.src} -> {h.dst}",
                  human_bytes(h.bytes) + (f" x {h.streams} nodes" if h.streams > 1 else ""),
-                 _rate(h.bytes_per_second), h.rate_source, _secs(h.drain_seconds),
+                 human_rate(h.bytes_per_second), h.rate_source, human_seconds(h.drain_seconds),
                  {True: "yes", False: "NO", None: "unknown"}[h.fits]] for h in r.hops]
         print_table(["hop", "moves", "rate", "rate from", "drain", f"fits {which} tau"], rows)
     if r.recovery:
         rows = [[x.tier, human_bytes(x.bytes) + (" per node" if i == 0 and r.nodes > 1 else ""),
-                 _rate(x.bytes_per_second), x.rate_source, _secs(x.seconds)]
+                 human_rate(x.bytes_per_second), x.rate_source, human_seconds(x.seconds)]
                 for i, x in enumerate(r.recovery)]
         print_table(["recover from", "reads", "rate", "rate from", "time"], rows)

@@ -5,7 +5,8 @@ import typer
 
 from ..errors import EXIT_FINDING
 from .app import app
-from .common import JsonOpt, QuietOpt, emit_json, human_bytes, plural, say
+from .common import (JsonOpt, QuietOpt, emit_json, human_bytes, human_rate, human_seconds, plural,
+                     say)
 
 
 @app.command()
@@ -25,7 +26,8 @@ def watch(
                                       "and its listing has not changed for S seconds."),
     status: bool = typer.Option(False, "--status",
                                 help="Print what the watch of this config has queued, in "
-                                     "flight, done and failed, with rates, and exit."),
+                                     "flight, done and failed, with rates, and plan's "
+                                     "figures from what it measured; then exit."),
     node_rank: int | None = typer.Option(None, "--node-rank", min=0, metavar="N",
                                          help="Multi-node: drain this node's part of each "
                                               "checkpoint into the second (shared) tier, "
@@ -46,7 +48,10 @@ def watch(
     checkpoint at a time per tier pair. After the promotions each tier's keep table is
     applied; in every tier but the last, a checkpoint not yet committed in the next tier
     is kept ("not yet in TIER"). A failure (destination full, server down) is retried
-    with exponential backoff across passes and reported, never turned into a deletion.
+    with exponential backoff across passes (at once after an edit of the config of the
+    tiers involved) and reported, never turned into a deletion. --status adds plan's
+    figures (drain time per hop, per-node bandwidth, capacity, recovery time per tier)
+    from the rates and checkpoint interval watch measured.
 
     The tiers' listings are the state: a restart (even after SIGKILL) picks up where it
     stopped, and promote resumes a half-done hop. Beside that, watch keeps a JSON-lines
@@ -76,11 +81,16 @@ def watch(
 
         node_rank = node_rank_from_env()
     if status:
+        from ..ops.watch import measured_plan
+
         doc = read_status(config.path, node_rank)
+        figures = measured_plan(config, doc)
         if json:
-            emit_json({"config": config.path, "status": doc})
+            emit_json({"config": config.path, "status": doc,
+                       "plan": figures.to_dict() if figures else None})
         elif not quiet:
             _print_status(config.path, doc)
+            _print_plan(figures)
         return
     if not no_nice:
         lower_priority()
@@ -153,3 +163,28 @@ def _print_status(path: str, doc: dict | None) -> None:
             f"{_when(f['next_retry'])})")
     for pair, rate in sorted((doc.get("rates") or {}).items()):
         say(f"rate: {pair} {human_bytes(int(rate))}/s")
+
+
+def _print_plan(r) -> None:
+    """plan's figures from what watch measured (the layout of ``ckptctl plan``)."""
+    from .common import print_table
+
+    if r is None:
+        return
+    tau = (f"{human_seconds(r.interval_seconds)} (median of {plural(r.gaps, 'gap')} between arrivals)"
+           if r.interval_seconds is not None else "unknown (one arrival so far)")
+    say(f"plan from what watch measured: S = {human_bytes(r.checkpoint_bytes)} "
+        f"({r.checkpoint}), interval tau = {tau}")
+    if r.node_bandwidth_bytes_per_second is not None:
+        say(f"per-node drain bandwidth B >= S/(P tau) = "
+            f"{human_rate(r.node_bandwidth_bytes_per_second)}")
+    say(f"local capacity 2 S/P = {human_bytes(r.local_capacity_bytes)} "
+        "(current + previous checkpoint)")
+    if r.hops:
+        print_table(["hop", "moves", "rate", "rate from", "drain", "fits tau"],
+                    [[f"{h.src} -> {h.dst}", human_bytes(h.bytes), human_rate(h.bytes_per_second),
+                      h.rate_source, human_seconds(h.drain_seconds),
+                      {True: "yes", False: "NO", None: "unknown"}[h.fits]] for h in r.hops])
+    print_table(["recover from", "reads", "rate", "rate from", "time"],
+                [[x.tier, human_bytes(x.bytes), human_rate(x.bytes_per_second), x.rate_source,
+                  human_seconds(x.seconds)] for x in r.recovery])

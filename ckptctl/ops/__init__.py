@@ -21,6 +21,7 @@ import types
 _EXPORTS = {
     **dict.fromkeys(["ConsolidateResult", "consolidate"], "consolidate"),
     **dict.fromkeys(["DiffResult", "EntryDiff", "diff"], "diff"),
+    **dict.fromkeys(["Group"], "distributed"),
     **dict.fromkeys(["InspectResult", "inspect", "summarize"], "inspect"),
     **dict.fromkeys(["ReshardResult", "reshard"], "reshard"),
     **dict.fromkeys(["GcResult", "gc", "protect_decision"], "gc"),
@@ -37,8 +38,8 @@ _EXPORTS = {
     **dict.fromkeys(["checkpoint_state"], "state"),
     **dict.fromkeys(["TierCheck", "TiersResult", "check_tiers"], "tiers"),
     **dict.fromkeys(["PROBLEM_CODES", "Problem", "VerifyResult", "verify"], "verify"),
-    **dict.fromkeys(["WatchPass", "Watcher", "lower_priority", "read_status", "state_dir"],
-                    "watch"),
+    **dict.fromkeys(["MeasuredPlan", "WatchPass", "Watcher", "lower_priority",
+                     "measured_plan", "read_status", "state_dir"], "watch"),
 }
 __all__ = sorted(_EXPORTS)
 

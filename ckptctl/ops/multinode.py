@@ -23,6 +23,7 @@ Node 0 alone promotes committed checkpoints from the shared tier further down.
 from __future__ import annotations
 
 import os
+import time
 
 from ..errors import CkptError
 from ..formats.manifest import FileEntry, Manifest, is_control_file, is_temp_name
@@ -138,6 +139,7 @@ def node_pass(w, p) -> list:
             p.found.append(name)
             w._event("found", tier=hot_tier.name, name=name, state=r.state, bytes=r.bytes,
                      node_rank=w.node_rank)
+            w._arrived(name, r, now)
         if old is None or old["sig"] != sig:
             seen[name] = old = {"sig": sig, "since": now}
         if name in shared and shared[name].state in COMMITTED:
@@ -153,12 +155,16 @@ def node_pass(w, p) -> list:
         url = _url(shared_tier, name)
         try:
             prev = parts.get(name) or {}
+            t0 = time.monotonic()
             hashes = copy_part(r.url, url, hot_tier.storage_options,
                                shared_tier.storage_options, bwlimit=shared_tier.bwlimit,
                                known=prev.get("files"))
+            seconds = time.monotonic() - t0
             parts[name] = {"files": hashes, "sig": sig}
             if prev.get("files") != hashes:
                 changed = True
+                _done(w, name, hot_tier.name, shared_tier.name,
+                      sum(n for _, n in hashes.values()), seconds)
                 w._event("part-promoted", name=name, src=hot_tier.name, dst=shared_tier.name,
                          node_rank=w.node_rank, files=len(hashes),
                          bytes=sum(n for _, n in hashes.values()))
@@ -181,6 +187,19 @@ def node_pass(w, p) -> list:
     if changed:
         shared = w._list(p, shared_tier)
     return [hot, shared]
+
+
+def _done(w, name: str, src: str, dst: str, nbytes: int, seconds: float) -> None:
+    """Record a part's copy in the status (``done``, ``rates``) as a hop is recorded, for
+    ``watch --status``'s rates and plan figures."""
+    from .watch import DONE_KEPT, iso_time
+
+    if nbytes and seconds > 0:
+        w.status.setdefault("rates", {})[f"{src}->{dst}"] = round(nbytes / seconds)
+    done = w.status.setdefault("done", [])
+    done.append({"name": name, "src": src, "dst": dst, "action": "part", "bytes": nbytes,
+                 "seconds": round(seconds, 3), "time": iso_time(w.clock())})
+    del done[:-DONE_KEPT]
 
 
 def holds_part(shared_row, part: dict | None, hot_row, options: dict | None) -> bool:

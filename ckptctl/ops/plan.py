@@ -249,6 +249,29 @@ def plan(size_bytes: int, save_seconds: float, mtbf_seconds: float, *, nodes: in
         _positive(interval_seconds, "--interval")
     best = young_daly(save_seconds, mtbf_seconds)
     tau = interval_seconds if interval_seconds is not None else best
+    hops, recovery = drains(size_bytes, tiers, nodes=nodes, interval_seconds=tau)
+    return PlanResult(
+        size_bytes, nodes, float(save_seconds), float(mtbf_seconds), best,
+        None if interval_seconds is None else float(interval_seconds), float(tau),
+        overhead(save_seconds, best, mtbf_seconds),
+        None if interval_seconds is None else overhead(save_seconds, tau, mtbf_seconds),
+        node_bandwidth(size_bytes, nodes, tau), size_bytes / tau,
+        local_capacity(size_bytes, nodes), hops, recovery,
+        [t.measured for t in tiers if t.measured], checkpoint_url)
+
+
+def drains(size_bytes: int, tiers: list[TierInput] | tuple, *, nodes: int = 1,
+           interval_seconds: float | None = None) -> tuple[list[Hop], list[Recovery]]:
+    """The tier hops of a checkpoint of ``size_bytes`` (each checked against
+    ``interval_seconds`` when given) and the recovery from each tier, as :func:`plan`
+    reports them; ``watch --status`` calls it with the rates watch measured.
+
+    >>> hops, rec = drains(10**9, [TierInput("hot"), TierInput("warm", bwlimit=1e8)],
+    ...                    interval_seconds=5)
+    >>> (hops[0].drain_seconds, hops[0].fits), [r.seconds for r in rec]
+    ((10.0, False), [None, 10.0])
+    """
+    tau = interval_seconds
     tiers = list(tiers)
     hops = []
     for i in range(1, len(tiers)):
@@ -263,7 +286,7 @@ def plan(size_bytes: int, save_seconds: float, mtbf_seconds: float, *, nodes: in
         nbytes = -(-size_bytes // streams)
         t = drain_seconds(nbytes, rate)
         hops.append(Hop(src.name, dst.name, nbytes, streams, rate, why, t,
-                        None if t is None else t <= tau))
+                        None if t is None or tau is None else t <= tau))
     recovery = []
     for i, t in enumerate(tiers):
         rate, why = _slowest(
@@ -273,14 +296,7 @@ def plan(size_bytes: int, save_seconds: float, mtbf_seconds: float, *, nodes: in
             rate, why = _slowest((t.bwlimit, f"{t.name} bwlimit"))
         nbytes = -(-size_bytes // nodes) if i == 0 else size_bytes
         recovery.append(Recovery(t.name, nbytes, rate, why, drain_seconds(nbytes, rate)))
-    return PlanResult(
-        size_bytes, nodes, float(save_seconds), float(mtbf_seconds), best,
-        None if interval_seconds is None else float(interval_seconds), float(tau),
-        overhead(save_seconds, best, mtbf_seconds),
-        None if interval_seconds is None else overhead(save_seconds, tau, mtbf_seconds),
-        node_bandwidth(size_bytes, nodes, tau), size_bytes / tau,
-        local_capacity(size_bytes, nodes), hops, recovery,
-        [t.measured for t in tiers if t.measured], checkpoint_url)
+    return hops, recovery
 
 
 def _positive(value, what: str) -> None:

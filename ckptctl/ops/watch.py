@@ -12,7 +12,8 @@ half-done one. A pass (:meth:`Watcher.run_once`):
 3. applies each tier's ``keep`` (gc) with a rail: in every tier but the last, a checkpoint
    not yet committed in the next tier is kept ("not yet in TIER"); when the next tier
    cannot be listed, everything is kept;
-4. records errors with their next retry time (exponential backoff across passes); an
+4. records errors with their next retry time (exponential backoff across passes; an edit
+   of the config of the tiers involved is tried at once, its backoff started afresh); an
    error never turns into a deletion.
 
 What it keeps beside that, under ``$XDG_CACHE_HOME/ckptctl/watch/<hash of the config
@@ -43,6 +44,9 @@ BACKOFF_BASE = 30.0
 BACKOFF_MAX = 3600.0
 #: How many finished hops status.json remembers.
 DONE_KEPT = 50
+#: How many first-tier arrivals (name, bytes, time) status.json remembers: the interval
+#: ``--status`` reports is the median gap between them.
+ARRIVALS_KEPT = 20
 
 
 @dataclass
@@ -97,18 +101,18 @@ class WatchPass:
 
     def to_dict(self) -> dict:
         return {
-            "started": _iso(self.started), "seconds": round(self.seconds, 3),
+            "started": iso_time(self.started), "seconds": round(self.seconds, 3),
             "drained": self.drained, "found": list(self.found), "sealed": list(self.sealed),
             "promoted": [{**asdict(h), "bytes_per_second": round(h.rate)}
                          for h in self.promoted],
             "kept": {k: list(v) for k, v in self.kept.items()},
             "removed": {k: list(v) for k, v in self.removed.items()},
             "pending": [dict(p) for p in self.pending],
-            "failed": [{**asdict(f), "next_retry": _iso(f.next_retry)} for f in self.failed],
+            "failed": [{**asdict(f), "next_retry": iso_time(f.next_retry)} for f in self.failed],
         }
 
 
-def _iso(ts: float | None) -> str | None:
+def iso_time(ts: float | None) -> str | None:
     from .ls import iso_utc
 
     return iso_utc(ts)
@@ -144,6 +148,81 @@ def read_status(config_path: str, node_rank: int | None = None) -> dict | None:
     except (OSError, ValueError) as e:
         raise StorageError(path,
                            f"cannot read the watch status ({e})") from None
+
+
+@dataclass
+class MeasuredPlan:
+    """``plan``'s figures from what watch measured (``watch --status``): S the newest
+    first-tier checkpoint's bytes (in multi-node, this node's part: the figures are then
+    per node), tau the median gap between the last first-tier arrivals, each tier's rates
+    from its newest hops (``measured write``: the hop into it; ``measured read``: the hop
+    out of it; a tier nothing is read from yet is recovered at its write rate). No save
+    time or MTBF is known here: the optimal interval is ``ckptctl plan``'s."""
+
+    checkpoint: str
+    checkpoint_bytes: int
+    interval_seconds: float | None
+    gaps: int
+    node_bandwidth_bytes_per_second: float | None
+    local_capacity_bytes: int
+    hops: list = field(default_factory=list)
+    recovery: list = field(default_factory=list)
+
+    @property
+    def all_fit(self) -> bool | None:
+        fits = [h.fits for h in self.hops]
+        return False if False in fits else None if None in fits else True
+
+    def to_dict(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k not in ("hops", "recovery")},
+                "all_fit": self.all_fit, "hops": [asdict(h) for h in self.hops],
+                "recovery": [asdict(r) for r in self.recovery]}
+
+
+def measured_plan(config: Config, doc: dict | None) -> MeasuredPlan | None:
+    """The plan figures of :class:`MeasuredPlan` from a watch status document (see
+    :func:`read_status`); None before the first arrival. The arithmetic is
+    :mod:`.plan`'s.
+
+    >>> measured_plan(Config("c.toml", ()), {}) is None
+    True
+    """
+    import itertools
+    import statistics
+
+    from .plan import (Measurement, TierInput, drain_seconds, drains, local_capacity,
+                       node_bandwidth)
+
+    arrivals = (doc or {}).get("arrivals") or []
+    if not arrivals or not config.tiers:
+        return None
+    newest = max(arrivals, key=lambda a: a["time"])
+    times = sorted(a["time"] for a in arrivals)
+    gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
+    tau = statistics.median(gaps) if gaps else None
+    last: dict[tuple[str, str], dict] = {}  # (src, dst) -> its newest hop that moved bytes
+    for d in (doc or {}).get("done") or []:
+        if d.get("action") != "up-to-date" and d.get("seconds") and d.get("bytes"):
+            last[(d["src"], d["dst"])] = d
+    names = [t.name for t in config.tiers]
+    tiers = []
+    for i, t in enumerate(config.tiers):
+        into = last.get((names[i - 1], t.name)) if i > 0 else None
+        out = last.get((t.name, names[i + 1])) if i + 1 < len(names) else None
+        m = None if not (into or out) else Measurement(
+            t.name, t.url, into["bytes"] if into else 0, into["seconds"] if into else 0.0,
+            out["bytes"] if out else 0, out["seconds"] if out else 0.0)
+        tiers.append(TierInput(t.name, t.url, t.bwlimit, m))
+    size = int(newest["bytes"])
+    hops, recovery = drains(size, tiers, interval_seconds=tau)
+    for r, t in zip(recovery, tiers):
+        write = t.measured.write_bytes_per_second if t.measured else None
+        if r.bytes_per_second is None and write:
+            r.bytes_per_second, r.rate_source = write, f"{t.name} measured write"
+            r.seconds = drain_seconds(r.bytes, write)
+    return MeasuredPlan(newest["name"], size, tau, len(gaps),
+                        None if tau is None else node_bandwidth(size, 1, tau),
+                        local_capacity(size, 1), hops, recovery)
 
 
 class Watcher:
@@ -229,7 +308,7 @@ class Watcher:
         """Write ``status.json`` atomically (temp file, rename)."""
         os.makedirs(self.dir, exist_ok=True)
         self.status["config"] = os.path.abspath(self.config.path)
-        self.status["updated"] = _iso(self.clock())
+        self.status["updated"] = iso_time(self.clock())
         self.status["pid"] = os.getpid()
         tmp = f"{self.status_path}.{os.getpid()}.tmp"
         with open(tmp, "w") as f:
@@ -238,39 +317,67 @@ class Watcher:
 
     def _event(self, event: str, **fields) -> None:
         os.makedirs(self.dir, exist_ok=True)
-        line = json.dumps({"time": _iso(self.clock()), "event": event, **fields},
+        line = json.dumps({"time": iso_time(self.clock()), "event": event, **fields},
                           sort_keys=False, default=str)
         with open(self.events_path, "a") as f:
             f.write(line + "\n")
 
     # -- failures and backoff -----------------------------------------------------------
 
+    def _config_digest(self, key: str) -> str:
+        """A digest of the config of the tiers that the step ``key`` involves (``list
+        TIER``, ``promote SRC->DST:NAME``...): everything of those tiers (url, options,
+        keep, bwlimit, pack), so an edit of them is seen across restarts."""
+        involved = key.split(" ", 1)[-1].split(":", 1)[0].split("->")
+        doc = [asdict(t) for t in self.config.tiers if t.name in involved]
+        raw = json.dumps(doc, sort_keys=True, default=str).encode()
+        return hashlib.sha256(raw).hexdigest()[:16]
+
     def _waiting(self, key: str, now: float) -> Failure | None:
-        """The failure of ``key`` when its next retry is still to come, else None."""
+        """The failure of ``key`` when its next retry is still to come, else None. A
+        failure recorded under another config of its tiers (the endpoint moved, the
+        destination changed) is not waited for: the new config is tried at once."""
         f = self.status.get("failed", {}).get(key)
-        if f and f["next_retry"] > now:
-            return Failure(key, f["what"], f["tier"], f.get("name"), f["code"], f["message"],
-                           f["attempts"], f["next_retry"])
-        return None
+        if not f or f["next_retry"] <= now:
+            return None
+        if f.get("config") != self._config_digest(key):
+            if not f.get("config_changed"):
+                f["config_changed"] = True
+                self._event("config-changed", key=key, was_waiting_until=iso_time(f["next_retry"]))
+            return None
+        return Failure(key, f["what"], f["tier"], f.get("name"), f["code"], f["message"],
+                       f["attempts"], f["next_retry"])
 
     def _fail(self, p: WatchPass, key: str, what: str, tier: str, name: str | None,
               e: BaseException) -> Failure:
         failed = self.status.setdefault("failed", {})
-        attempts = failed.get(key, {}).get("attempts", 0) + 1
+        digest = self._config_digest(key)
+        old = failed.get(key, {})
+        # a new config of the tiers is a new situation: its backoff starts again
+        attempts = (old.get("attempts", 0) if old.get("config") == digest else 0) + 1
         now = self.clock()
         delay = min(self.backoff * 2 ** (attempts - 1), self.max_backoff)
         code = str(getattr(e, "code", None) or type(e).__name__)
         message = str(e).splitlines()[0] if str(e) else type(e).__name__
         f = Failure(key, what, tier, name, code, message, attempts, now + delay)
-        failed[key] = {k: v for k, v in asdict(f).items() if k != "key"}
+        failed[key] = {**{k: v for k, v in asdict(f).items() if k != "key"},
+                       "config": digest}
         p.failed.append(f)
         self._event("failed", what=what, tier=tier, name=name, code=code, message=message,
-                    attempts=attempts, next_retry=_iso(f.next_retry))
+                    attempts=attempts, next_retry=iso_time(f.next_retry))
         return f
 
     def _ok(self, key: str) -> None:
         if self.status.get("failed", {}).pop(key, None) is not None:
             self._event("recovered", key=key)
+
+    def _arrived(self, name: str, row, now: float) -> None:
+        """Remember a first-tier checkpoint's size and time (its commit marker's, else
+        now) for the interval and size ``--status`` reports."""
+        arrivals = self.status.setdefault("arrivals", [])
+        arrivals.append({"name": name, "bytes": row.bytes,
+                         "time": row.modified if row.modified else now})
+        del arrivals[:-ARRIVALS_KEPT]
 
     # -- one pass ---------------------------------------------------------------------
 
@@ -288,7 +395,7 @@ class Watcher:
         finally:
             self.status["in_flight"] = None
             self.status["queued"] = [dict(x) for x in p.pending]
-            self.status["last_pass"] = {"started": _iso(p.started),
+            self.status["last_pass"] = {"started": iso_time(p.started),
                                         "seconds": round(time.monotonic() - t0, 3),
                                         "drained": p.drained}
             p.seconds = time.monotonic() - t0
@@ -329,6 +436,7 @@ class Watcher:
             if old is None:
                 p.found.append(name)
                 self._event("found", tier=tier.name, name=name, state=r.state, bytes=r.bytes)
+                self._arrived(name, r, now)
             if old is None or old["sig"] != sig:
                 seen[name] = old = {"sig": sig, "since": now}
             if r.state not in COMMITTED:
@@ -416,7 +524,7 @@ class Watcher:
             return False
         url = dst.url.rstrip("/") + "/" + name
         self.status["in_flight"] = {"name": name, "src": src.name, "dst": dst.name,
-                                    "since": _iso(self.clock())}
+                                    "since": iso_time(self.clock())}
         self.save()
         try:
             r = promote(row.url, url, src.storage_options, dst.storage_options,
@@ -435,7 +543,7 @@ class Watcher:
             self.status.setdefault("rates", {})[pair] = round(hop.rate)
         done = self.status.setdefault("done", [])
         done.append({"name": name, "src": src.name, "dst": dst.name, "action": r.action,
-                     "bytes": r.bytes, "seconds": r.seconds, "time": _iso(self.clock())})
+                     "bytes": r.bytes, "seconds": r.seconds, "time": iso_time(self.clock())})
         del done[:-DONE_KEPT]
         self._event("promoted", name=name, src=src.name, dst=dst.name, action=r.action,
                     bytes=r.bytes, bytes_sent=r.bytes_sent, seconds=r.seconds,
