@@ -105,6 +105,12 @@ class Transfer:
         if self.cancel.is_set():
             raise Cancelled()
 
+    def _backoff(self, seconds: float) -> None:
+        """A retry's wait, cut short when the transfer is cancelled (SIGTERM, a failed
+        file): a worker asleep for seconds would hold up the exit."""
+        if self.cancel.wait(seconds):
+            raise Cancelled()
+
     def _progress(self, n: int) -> None:
         if self.on_bytes and n:
             self.on_bytes(n)
@@ -132,7 +138,8 @@ class Transfer:
     def _put(self, rel: str, size: int, want: str) -> FileCopy:
         if self.pace_reads:
             self.limiter.acquire(size)
-        data = with_retries(lambda: self.src.read_range(rel, 0, size), what=rel) if size else b""
+        data = (with_retries(lambda: self.src.read_range(rel, 0, size), what=rel,
+                             sleep=self._backoff) if size else b"")
         h = new_hasher(self.algo)
         h.update(data)
         digest = h.hexdigest()
@@ -141,13 +148,14 @@ class Transfer:
         self._check()
         if not self.pace_reads:
             self.limiter.acquire(size)
-        with_retries(lambda: self.dst.write_atomic(rel, data), what=rel)
+        with_retries(lambda: self.dst.write_atomic(rel, data), what=rel, sleep=self._backoff)
         self.journal.file_done(rel, digest, size)
         self._progress(size)
         return FileCopy(rel, size, digest, "put", sent=size)
 
     def _server_copy(self, rel: str, size: int, want: str) -> FileCopy:
-        with_retries(lambda: multipart.copy_object(self.src, rel, self.dst, rel), what=rel)
+        with_retries(lambda: multipart.copy_object(self.src, rel, self.dst, rel), what=rel,
+                     sleep=self._backoff)
         digest, n = hash_file(self.dst, rel, self.algo)  # proven where it landed
         if (digest, n) != (want, size):
             self.dst.remove(rel)
@@ -179,7 +187,7 @@ class Transfer:
             part_size = multipart.part_size_for(size, self.part_size)
             upload_id = with_retries(lambda: multipart.create_upload(self.dst, rel,
                                                                      part_size=part_size),
-                                     what=rel)
+                                     what=rel, sleep=self._backoff)
             self.journal.upload_started(rel, upload_id, part_size)
             have: dict[int, multipart.Part] = {}
         else:
@@ -197,7 +205,8 @@ class Transfer:
                 if not self.pace_reads:
                     self.limiter.acquire(len(data))
                 part = with_retries(lambda: multipart.upload_part(self.dst, rel, upload_id,
-                                                                  number, data), what=rel)
+                                                                  number, data),
+                                    what=rel, sleep=self._backoff)
                 self.journal.part_done(rel, number, part.etag, part.size, digest)
                 with lock:
                     parts[number] = part
@@ -216,10 +225,12 @@ class Transfer:
                     if self.pace_reads:
                         self.limiter.acquire(end - start)
                     if view is not None:
-                        got = with_retries(lambda: self.src.read_into(rel, start, view), what=rel)
+                        got = with_retries(lambda: self.src.read_into(rel, start, view),
+                                           what=rel, sleep=self._backoff)
                         data = view[:got]
                     else:
-                        data = with_retries(lambda: self.src.read_range(rel, start, end), what=rel)
+                        data = with_retries(lambda: self.src.read_range(rel, start, end),
+                                            what=rel, sleep=self._backoff)
                 except BaseException:
                     self._give(buf)
                     raise
@@ -267,7 +278,7 @@ class Transfer:
         ordered = [parts[n] for n in sorted(parts)]
         try:
             with_retries(lambda: multipart.complete_upload(self.dst, rel, upload_id, ordered),
-                         what=rel)
+                         what=rel, sleep=self._backoff)
         except CkptError as e:  # a retry after a lost answer finds the upload completed
             if e.code != "MISSING_FILE" or not self._landed(rel, size):
                 raise
