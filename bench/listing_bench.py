@@ -308,14 +308,15 @@ def main(argv=None) -> None:
          "packs, names without a step and folders missing their commit marker. `latest` "
          "reads the newest two candidates (and walks back if one is damaged); `gc` reads "
          "the checkpoints its decision rests on (kept for being committed) and removes the "
-         "rest in phases across checkpoints: one `.ckptctl-writing` PUT each (S3 has no batch "
-         "PUT), then DeleteObjects batches of every manifest, every `.metadata`, all data, "
+         "rest in phases across checkpoints: a `.ckptctl-writing` PUT only where the "
+         "checkpoint has no `.metadata`/index of its own to delete first and more than one data "
+         "file (S3 has no batch PUT; here: the incomplete ones), then DeleteObjects batches of every manifest, every `.metadata`, all data, "
          "all markers. Up to 100 checkpoints, a remote root is still read in full (the "
          "step entry of a DCP checkpoint wins over its name there, as `inspect` reports). "
          "The listing itself is ListObjectsV2 pages read one after the other "
          "(`Store.list_files`); s3fs's `find` took ~20 s more for 10,000 folders under one "
-         "prefix (it checks each new folder against a list of its siblings). The real gc's "
-         "time is mostly the writing-marker PUTs."]
+         "prefix (it checks each new folder against a list of its siblings). A writing "
+         "marker PUT for every removed checkpoint (9,983 PUTs) made the real gc take 73 s."]
     body = "\n".join(o)
     print(body)
     if not a.no_write:
