@@ -254,9 +254,10 @@ def test_ten_thousand_checkpoints(tmp_path_factory, template, cli):
         assert n.get("GET", 0) <= GET_BOUND and n.get("HEAD", 0) == 0, n
         code, out, err = cli("gc", w.local("big"), "--keep-last", "10", "--dry-run", "--json")
         assert code == 0 and _decision(json.loads(out)) == _decision(dry), err
-        phases = _phases(w.root / "big" / "run", dry["remove"])
+        phases, puts = _phases(w.root / "big" / "run", dry["remove"])
         doc, n = _run(cli, w, "gc", w.url("big"), "--keep-last", "10")
         assert n.get("BATCH", 0) == sum(math.ceil(k / 1000) for k in phases), n
+        assert n.get("PUT", 0) == puts < len(doc["remove"]) / 2, (n, puts)
         assert {p.name for p in (w.root / "big" / "run").iterdir()} == set(doc["keep"])
     finally:
         w.server.stop()
