@@ -216,3 +216,32 @@ def test_kept_descriptors_never_serve_another_files_bytes(tmp_path):
     store.close()
     assert not bad, bad[:5]
     assert len(os.listdir("/proc/self/fd")) < MAX_OPEN_FILES  # closed, none leaked
+
+
+# --------------------------------------------------------------------------- hostile metadata
+
+@pytest.mark.parametrize("build", [
+    b"]q\x00(K\x01e",  # a record whose state is a list, not a dict
+    b"N",  # None: no state at all is fine for the unpickler, but no fields for the reader
+])
+def test_metadata_records_with_odd_state_are_one_line_errors(tmp_path, build):
+    """Records are filled by the C unpickler (no __setstate__): a state that is not a dict
+    is refused as a malformed pickle, one with no fields as metadata lacking them."""
+    from ckptctl.errors import FormatError
+    from ckptctl.formats.dcp import parse_metadata, checkpoint_from_metadata
+
+    cls = b"\x80\x04c" + b"torch.distributed.checkpoint.metadata\nMetadata\n"
+    data = cls + b")\x81" + build + b"b."
+    with pytest.raises(FormatError) as e:
+        checkpoint_from_metadata(parse_metadata(data, where="x/.metadata"), "x",
+                                 where="x/.metadata")
+    assert "\n" not in str(e.value)
+
+
+def test_torch_size_with_odd_arguments_is_a_one_line_error():
+    from ckptctl.errors import FormatError
+    from ckptctl.formats.dcp import parse_metadata
+
+    data = b"\x80\x04ctorch\nSize\nK\x05\x85R."  # torch.Size(5): not a list of dims
+    with pytest.raises(FormatError, match="malformed pickle"):
+        parse_metadata(data, where="x/.metadata")

@@ -212,45 +212,63 @@ def _start_s3(root: Path, bucket: str):
     return srv
 
 
+class _Run:
+    """Hot, an S3 server with its bucket, the config, and a watcher (not started); as a
+    context, it stops training, the watcher and the server at the end, however it ends."""
+
+    def __init__(self, tmp_path: Path, warm: Path | None = None, bucket: str = "e2e"):
+        self.tmp, self.bucket, self.warm = tmp_path, bucket, warm
+        self.srv = _start_s3(tmp_path / "s3root", bucket)
+        (tmp_path / "hot").mkdir()
+        self.cfg = _write_config(tmp_path, self.srv, bucket, warm)
+        self.env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+        self.watch = _Watch(self.cfg, self.env, tmp_path)
+        self.train: subprocess.Popen | None = None
+
+    def start_training(self, sleep: float) -> subprocess.Popen:
+        self.train = _train(self.tmp / "hot", sleep=sleep)
+        return self.train
+
+    def restart_s3(self) -> None:
+        """The server comes back on the same data under another port; the config follows."""
+        self.srv.stop()
+        self.srv = _start_s3(self.tmp / "s3root", self.bucket)
+        self.cfg = _write_config(self.tmp, self.srv, self.bucket, self.warm)
+
+    def finish(self, train_end: float, timeout: float) -> None:
+        _finish(self.tmp, self.cfg, self.env, self.watch, train_end, self.srv, self.bucket,
+                timeout=timeout, warm=self.warm)
+
+    def __enter__(self) -> "_Run":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.train is not None and self.train.poll() is None:
+            self.train.kill()
+            self.train.wait(10)
+        self.watch.cleanup()
+        self.srv.stop()
+
+
 @pytest.mark.slow
 def test_training_with_watch_beside_it_drains_and_trims(tmp_path):
-    bucket = "e2e"
-    srv = _start_s3(tmp_path / "s3root", bucket)
-    (tmp_path / "hot").mkdir()
-    cfg = _write_config(tmp_path, srv, bucket)
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    watch = _Watch(cfg, env, tmp_path)
-    train = None
-    try:
-        watch.start()
-        train = _train(tmp_path / "hot", sleep=0.02)
+    with _Run(tmp_path) as run:
+        run.watch.start()
+        train = run.start_training(sleep=0.02)
         out, err = train.communicate(timeout=120)
         assert train.returncode == 0, err
         assert out.split() == [w for n in ALL for w in ("saved", n)]
         train_end = time.time()
-        assert watch.proc.poll() is None, watch.err.read_text()
-        _finish(tmp_path, cfg, env, watch, train_end, srv, bucket, timeout=90)
-    finally:
-        if train is not None and train.poll() is None:
-            train.kill()
-            train.wait(10)
-        watch.cleanup()
-        srv.stop()
+        assert run.watch.proc.poll() is None, run.watch.err.read_text()
+        run.finish(train_end, timeout=90)
 
 
 @pytest.mark.slow
 def test_watch_killed_and_s3_restarted_during_training(tmp_path):
-    bucket = "e2e"
-    root = tmp_path / "s3root"
-    srv = _start_s3(root, bucket)
-    (tmp_path / "hot").mkdir()
-    cfg = _write_config(tmp_path, srv, bucket)
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    watch = _Watch(cfg, env, tmp_path)
-    train = None
-    try:
+    with _Run(tmp_path) as run:
+        watch = run.watch
         watch.start()
-        train = _train(tmp_path / "hot", sleep=0.06)  # ~12 s of training
+        train = run.start_training(sleep=0.06)  # ~12 s of training
         # watch SIGKILLed three times, restarted at once (a stale lock must not block)
         for delay in (1.3, 0.9, 1.7):
             time.sleep(delay)
@@ -260,7 +278,7 @@ def test_watch_killed_and_s3_restarted_during_training(tmp_path):
         # the S3 server crashes; watch meets it down, then is killed; the server comes
         # back on the same data under another port, the config follows, watch restarts
         time.sleep(1.0)
-        srv.kill()
+        run.srv.kill()
         end = time.monotonic() + 60
         while not any(e["event"] == "failed" and e["tier"] == "cold"
                       for e in _events(tmp_path)):
@@ -268,9 +286,7 @@ def test_watch_killed_and_s3_restarted_during_training(tmp_path):
             assert watch.proc.poll() is None, watch.err.read_text()
             time.sleep(0.2)
         watch.kill()
-        srv.stop()
-        srv = _start_s3(root, bucket)
-        cfg = _write_config(tmp_path, srv, bucket)
+        run.restart_s3()
         watch.start()
         # one more SIGKILL while the backlog drains
         time.sleep(1.5)
@@ -281,20 +297,14 @@ def test_watch_killed_and_s3_restarted_during_training(tmp_path):
         assert out.split() == [w for n in ALL for w in ("saved", n)]
         train_end = time.time()
         # failures met while S3 was down are retried after their backoff (30 s)
-        _finish(tmp_path, cfg, env, watch, train_end, srv, bucket, timeout=120)
+        run.finish(train_end, timeout=120)
         events = _events(tmp_path)
         assert watch.starts == 6
         assert any(e["event"] == "failed" and e["tier"] == "cold" for e in events), events
         assert any(e["event"] == "recovered" for e in events), events
         promoted = {(e["name"], e["dst"]) for e in events if e["event"] == "promoted"}
         assert promoted == {(n, t) for n in ALL for t in ("warm", "cold")}
-        assert read_status(str(cfg))["in_flight"] is None
-    finally:
-        if train is not None and train.poll() is None:
-            train.kill()
-            train.wait(10)
-        watch.cleanup()
-        srv.stop()
+        assert read_status(str(run.cfg))["in_flight"] is None
 
 
 def _fill(mnt: Path) -> Path:
@@ -330,18 +340,12 @@ def test_warm_tier_full_during_training(tmp_path, small_tmpfs):
     reports ENOSPC (event, status), keeps everything warm lacks in hot, shows nothing
     half-written in warm, and drains the backlog once the space is freed (after its
     backoff); at the end every tier holds what its keep says, and it verifies."""
-    bucket = "e2e"
-    srv = _start_s3(tmp_path / "s3root", bucket)
-    (tmp_path / "hot").mkdir()
     mnt = small_tmpfs("4m")
     warm = mnt / "warm"
-    cfg = _write_config(tmp_path, srv, bucket, warm)
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    watch = _Watch(cfg, env, tmp_path)
-    train = None
-    try:
+    with _Run(tmp_path, warm) as run:
+        watch, cfg = run.watch, run.cfg
         watch.start()
-        train = _train(tmp_path / "hot", sleep=0.06)
+        train = run.start_training(sleep=0.06)
         _wait_event(tmp_path, watch, lambda e: e["event"] == "promoted" and e["dst"] == "warm")
         ballast = _fill(mnt)
         e = _wait_event(tmp_path, watch, lambda e: e["event"] == "failed" and e["tier"] == "warm")
@@ -363,14 +367,8 @@ def test_warm_tier_full_during_training(tmp_path, small_tmpfs):
         assert train.returncode == 0, err
         train_end = time.time()
         # the failed hop is retried after its backoff (30 s), then the backlog drains
-        _finish(tmp_path, cfg, env, watch, train_end, srv, bucket, timeout=150, warm=warm)
+        run.finish(train_end, timeout=150)
         events = _events(tmp_path)
         assert any(e["event"] == "recovered" for e in events), events
         promoted = {(e["name"], e["dst"]) for e in events if e["event"] == "promoted"}
         assert promoted == {(n, t) for n in ALL for t in ("warm", "cold")}
-    finally:
-        if train is not None and train.poll() is None:
-            train.kill()
-            train.wait(10)
-        watch.cleanup()
-        srv.stop()
