@@ -67,6 +67,8 @@ class ProblemCode(str, Enum):
     NOT_COMMITTED = ("NOT_COMMITTED", "no manifest and no format commit marker (DCP .metadata): "
                      "a write never finished")
     MISSING_FILE = ("MISSING_FILE", "a file the manifest or metadata names is not there")
+    MISSING_BASE = ("MISSING_BASE", "a delta pack's base chain is not all there and committed: "
+                    "it cannot be restored")
     SIZE_MISMATCH = ("SIZE_MISMATCH", "a file's size differs from the manifest, or is too short "
                      "for its extents")
     EXTRA_FILE = ("EXTRA_FILE", "a file is present that the manifest does not list")
@@ -98,6 +100,10 @@ class ProblemCode(str, Enum):
     ERROR = ("ERROR", "an error of no more specific kind", False)
     USAGE = ("USAGE", "a bad flag, layout spec or contradictory options (exit 2)", False)
     FINDING = ("FINDING", "an op found a problem it was asked to look for (exit 1)", False)
+    FOREIGN_FILES = ("FOREIGN_FILES", "a checkpoint folder holds files that are not the "
+                     "checkpoint's: they stop its removal (exit 1)", False)
+    HAS_DEPENDANTS = ("HAS_DEPENDANTS", "a kept delta pack needs this checkpoint as its base: "
+                      "it is not removed (exit 1)", False)
     UNSUPPORTED_FORMAT = ("UNSUPPORTED_FORMAT", "nothing ckptctl knows matches what is at the "
                           "place", False)
     ALREADY_EXISTS = ("ALREADY_EXISTS", "an exclusive write found its target already there",

@@ -316,6 +316,7 @@ def test_gc_on_s3(run, s3_bucket, cli):
     for i in range(40):  # more objects than markers: the data goes in one batch
         (run / "step-3000" / "extra" / f"f{i}").parent.mkdir(exist_ok=True)
         (run / "step-3000" / "extra" / f"f{i}").write_bytes(b"x" * i)
+    seal(str(run / "step-3000"))  # listed in its manifest: the checkpoint's own files
     s3_bucket.upload(run, "run")
     url = s3_bucket.url("run")
     fs = s3_bucket.fs()
@@ -331,11 +332,11 @@ def test_gc_on_s3(run, s3_bucket, cli):
     lists = [r for r in log if r.op == "LIST"]
     deletes = [r for r in log if r.method in ("POST", "DELETE")]
     assert len(lists) == 2, lists  # the root once, and its unfinished uploads once
-    # step-3000 (complete DCP, 42 files): .metadata alone first, then the data in one
-    # DeleteObjects batch, then the writing marker put there before them
+    # step-3000 (sealed DCP, 43 files): the manifest alone first, then .metadata, then the
+    # data in one DeleteObjects batch, then the writing marker put there before them
     assert [(r.method, r.path.rsplit("/", 1)[-1]) for r in deletes] == [
         ("POST", s3_bucket.bucket + "?delete"), ("POST", s3_bucket.bucket + "?delete"),
-        ("DELETE", WRITING_MARKER)]
+        ("POST", s3_bucket.bucket + "?delete"), ("DELETE", WRITING_MARKER)]
     assert [r.key.rsplit("/", 1)[-1] for r in log if r.method == "PUT"] == [WRITING_MARKER]
     left = {p.split("/run/")[1].split("/")[0] for p in fs.find(s3_bucket.path("run"))}
     assert left == {"step-1000", "step-2000", "step-4000", "step-5000", "step-6000"}
@@ -359,7 +360,7 @@ def test_gc_on_s3(run, s3_bucket, cli):
 
 def test_gc_lists_by_the_thousand_and_deletes_in_batches_on_s3(tmp_path, s3_bucket, cli):
     """1,100 objects and more: the root is listed in 2 pages, the doomed checkpoint's
-    1,102 files go in 2 DeleteObjects batches (after its .metadata alone)."""
+    1,103 files go in 2 DeleteObjects batches (after its manifest and .metadata alone)."""
     root = tmp_path / "run"
     for s in (1, 2):
         _save(root / f"step-{s}", s)
@@ -367,6 +368,7 @@ def test_gc_lists_by_the_thousand_and_deletes_in_batches_on_s3(tmp_path, s3_buck
     shards.mkdir()
     for i in range(1100):
         (shards / f"{i:04d}").write_bytes(b"")
+    seal(str(root / "step-1"))  # listed in its manifest: the checkpoint's own files
     s3_bucket.upload(root, "run")
     s3_bucket.server.reset_log()
     code, out, err = cli("gc", s3_bucket.url("run"), "--keep-last", "1", "--json", *_o(s3_bucket))
@@ -374,7 +376,8 @@ def test_gc_lists_by_the_thousand_and_deletes_in_batches_on_s3(tmp_path, s3_buck
     log = s3_bucket.server.request_log()
     pages = [r for r in log if r.op == "LIST" and "list-type=2" in r.path]
     batches = [r for r in log if r.method == "POST" and "delete" in r.path]
-    assert len(pages) == 2 and len(batches) == 1 + 2, (pages, batches)
+    # the manifest, then .metadata, then the data in 2 batches
+    assert len(pages) == 2 and len(batches) == 1 + 1 + 2, (pages, batches)
     assert not s3_bucket.fs().find(s3_bucket.path("run/step-1"))
 
 

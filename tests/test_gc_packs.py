@@ -18,6 +18,7 @@ import numpy as np
 
 from ckptctl.formats.manifest import MANIFEST, Manifest
 from ckptctl.ops.gc import gc
+from ckptctl.ops.latest import latest
 from ckptctl.ops.ls import ls
 from ckptctl.ops.pack import pack, unpack
 from ckptctl.ops.pins import pin
@@ -169,26 +170,35 @@ def test_a_base_in_another_series_is_kept(tmp_path):
     assert d.decision.remove == [] and _names(root / "a") == ["step-100", "step-150"]
 
 
+MISSING = "its base is missing (restore with unpack --base, or rm)"
+
+
 def test_a_chain_broken_by_hand(tmp_path, cli):
-    """step-200 (the middle of the chain) deleted by hand: gc does not crash, keeps the
-    newest pack (its own files are intact and sealed; its base may be found elsewhere
-    with --base), and the rest of the chain goes since nothing kept can reach it."""
+    """step-200 (the middle of the chain) deleted by hand: step-300 cannot be restored
+    from here, so it is incomplete (MISSING_BASE, naming the base) for ls, latest, verify
+    and gc; the newest restorable checkpoint (step-250) is the newest committed. gc keeps
+    the broken pack (its own files are whole: it restores once its base is named) and
+    removes what nothing kept needs."""
     src, run = tmp_path / "src", tmp_path / "run"
     _chain(src, run)
     _ckpt(run / "step-250", 250)
     shutil.rmtree(run / "step-200")
     for now in (None, time.time() + 2 * DAY):  # also once the grace period is long past
         d = gc(str(run), Policy(last=1), dry_run=True, now=now)
-        assert d.decision.keep == {"step-300": ["last 1", "newest committed"]}, d.decision
-        assert d.decision.remove == ["step-250", "step-100"]
+        assert d.decision.keep == {"step-300": [MISSING],
+                                   "step-250": ["last 1", "newest committed"]}, d.decision
+        assert d.decision.remove == ["step-100"]
+    row = {r.name: r for r in ls(str(run)).checkpoints}["step-300"]
+    assert row.state == "incomplete" and row.reason.startswith("MISSING_BASE"), row
+    assert "step-200" in row.reason
+    assert latest(str(run)).name == "step-250"
+    for level in ("quick", "structure", "full"):
+        code, out, err = cli("verify", str(run / "step-300"), "--level", level, "--json")
+        assert code == 1 and "MISSING_BASE" in out, (level, code, out, err)
     code, out, err = cli("gc", str(run), "--keep-last", "1", "--json")
     assert code == 0, err
     doc = json.loads(out)
-    by = {c["name"]: c for c in doc["checkpoints"]}
-    assert by["step-300"]["state"] == "sealed" and by["step-300"]["action"] == "keep"
-    row = {r.name: r for r in ls(str(run)).checkpoints}["step-300"]
-    assert row.state == "sealed" and "its base cannot be read here" in row.reason, row
-    assert doc["remove"] == ["step-250", "step-100"] and _names(run) == ["step-300"]
+    assert doc["remove"] == ["step-100"] and _names(run) == ["step-250", "step-300"]
     # the pack itself says what it needs
     code, out, err = cli("unpack", str(run / "step-300"), str(tmp_path / "out"))
     assert code != 0 and "base" in err and "not found" in err, (code, err)
@@ -200,18 +210,18 @@ def test_a_chain_broken_by_hand(tmp_path, cli):
 
 
 def test_a_chain_broken_at_its_root_keeps_the_rest(tmp_path):
-    """step-100 (the full pack at the root of the chain) deleted by hand: step-200 still
-    restores nothing by itself, but it is sealed and the base of the kept step-300, so it
-    stays, also long after the grace period (a delta pack missing its base is no
-    unfinished write)."""
+    """step-100 (the full pack at the root of the chain) deleted by hand: neither
+    step-200 nor step-300 restores from here, so both are incomplete and there is no
+    newest committed; gc keeps both (their own files are whole), also long after the
+    grace period."""
     src, run = tmp_path / "src", tmp_path / "run"
     _chain(src, run)
     shutil.rmtree(run / "step-100")
     for now in (None, time.time() + 2 * DAY):
         d = gc(str(run), Policy(last=1), dry_run=True, now=now)
-        assert d.decision.keep == {"step-300": ["last 1", "newest committed"],
-                                   "step-200": ["base of kept step-300"]}, d.decision
+        assert d.decision.keep == {"step-300": [MISSING], "step-200": [MISSING]}, d.decision
         assert d.decision.remove == []
+    assert latest(str(run)).url is None
     # put the root back elsewhere: the chain restores through --base on the middle
     pack(str(src / "step-100"), str(tmp_path / "elsewhere" / "step-100"), workers=1)
     unpack(str(run / "step-200"), str(tmp_path / "out"), base=str(tmp_path / "elsewhere" /

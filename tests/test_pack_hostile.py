@@ -187,6 +187,84 @@ def test_absurd_counts_and_sizes(p, tmp_path, cli, lie, words):
     refused(p, tmp_path, cli, words)
 
 
+def _many_files(doc: dict, n: int) -> dict:
+    """``doc`` (a real pack's index) made to restore ``n`` more files, named like a
+    rank's DCP file, each a copy of ``.metadata``'s record (one raw segment, one chunk):
+    a valid index once its source_id is recomputed."""
+    rec, entry = doc["files"][".metadata"], doc["source"]["files"][".metadata"]
+    for i in range(n):
+        doc["files"][f"__{i + 1}_0.distcp"] = rec
+        doc["source"]["files"][f"__{i + 1}_0.distcp"] = entry
+    return doc
+
+
+def test_index_of_200k_files_is_refused_before_it_is_parsed(p, tmp_path, cli):
+    """The count comes first, in the bytes: no JSON is built for an index of 200,000
+    files (a cut-off index gets the count's error, not the JSON's), and next to nothing
+    is allocated; through the CLI it is one line."""
+    import tracemalloc
+
+    from ckptctl.formats.pack import MAX_FILES, PackIndex
+
+    doc = _many_files(json.loads((p / PACK_INDEX).read_bytes()), 200_000)
+    data = json.dumps(doc).encode()
+    cut = data[:-1]  # not even valid JSON: it is never parsed
+    del doc
+    tracemalloc.start()
+    try:
+        with pytest.raises(UnsafeInputError) as ei:
+            PackIndex.parse(cut, "x", None)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert str(ei.value) == (f"x: pack index lists 200003 files, over the limit of "
+                             f"{MAX_FILES} files a pack may hold"), ei.value
+    assert peak < len(data) // 100, (peak, len(data))  # the JSON would be several times it
+    (p / PACK_INDEX).write_bytes(data)
+    _reseal(p)
+    refused(p, tmp_path, cli, "ckptctl.pack.json", "200003 files",
+            f"over the limit of {MAX_FILES} files")
+
+
+def test_counts_the_parsed_index_before_any_record():
+    """Keys spelled with escapes hide the records from the count in the bytes: the parsed
+    index is counted again before the source manifest or any file record is read (its
+    wrong source_id and malformed first record are not what the error says)."""
+    from ckptctl.formats.pack import PackIndex
+
+    doc = {"pack": 1, "source": {"files": {}}, "source_id": "wrong", "chunk_size": 4,
+           "base": None, "files": {"bad": {"segments": "not a list"}}}
+    doc["files"].update({f"__{i}_0.distcp": {"size": 1, "segments": [{"kind": "raw"}]}
+                         for i in range(150_000)})
+    data = json.dumps(doc).encode().replace(b'"segments"', b'"\\u0073egments"')
+    assert b'"segments"' not in data
+    with pytest.raises(UnsafeInputError) as ei:
+        PackIndex.parse(data, "x", None)
+    assert "lists 150001 files, over the limit of 100000 files" in str(ei.value), ei.value
+
+
+def test_absurd_segment_count_is_refused_in_the_bytes():
+    from ckptctl.formats.pack import MAX_SEGMENTS, PackIndex
+
+    data = b"[" + b'"kind",' * (MAX_SEGMENTS + 1) + b"0]"
+    with pytest.raises(UnsafeInputError) as ei:
+        PackIndex.parse(data, "x", None)
+    assert f"lists {MAX_SEGMENTS + 1} segments, over the limit of {MAX_SEGMENTS}" \
+        in str(ei.value), ei.value
+
+
+def test_index_of_10k_files_still_parses(p):
+    """A pack of a 10,000-rank DCP checkpoint (~10,000 files) is far below the limits."""
+    from ckptctl.formats.pack import PackIndex
+
+    doc = _many_files(json.loads((p / PACK_INDEX).read_bytes()), 10_000)
+    doc["source_id"] = Manifest.parse(json.dumps(doc["source"]).encode(), "m").id
+    listing = {x.name: x.stat().st_size for x in p.iterdir()}
+    idx = PackIndex.parse(json.dumps(doc).encode(), "x", listing)
+    assert len(idx.files) == 10_003 and idx.files["__10000_0.distcp"].size \
+        == idx.files[".metadata"].size
+
+
 def test_deeply_nested_index(p, tmp_path, cli):
     (p / PACK_INDEX).write_bytes(b"[" * 200_000 + b"]" * 200_000)
     _reseal(p)
@@ -196,7 +274,7 @@ def test_deeply_nested_index(p, tmp_path, cli):
 def test_unfinished_pack_write(p, tmp_path, cli):
     (p / WRITING_MARKER).write_text("{}")
     rc, _, err = cli("inspect", str(p))
-    assert rc == 3 and "unfinished pack write" in err, err
+    assert rc == 3 and "a ckptctl writer or remover holds this folder" in err, err
     rc, out, err = cli("verify", str(p), "--json")
     assert rc == 1 and json.loads(out)["problems"][0]["code"] == "NOT_COMMITTED", out
     (p / WRITING_MARKER).unlink()

@@ -14,8 +14,9 @@ import typer
 
 
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.")
-ForceOpt = typer.Option(False, "--force", help="Replace a non-empty DST (e.g. what a killed "
-                        "run left); its manifest and format markers are removed first.")
+ForceOpt = typer.Option(False, "--force", help="Replace what a killed run left in DST, or "
+                        "one unpinned checkpoint there (never a folder of checkpoints or "
+                        "other files); its manifest and format markers are removed first.")
 QuietOpt = typer.Option(False, "--quiet", "-q", help="Print nothing but errors.")
 
 

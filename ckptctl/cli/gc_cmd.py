@@ -8,6 +8,7 @@ from typing import List, Optional
 
 import typer
 
+from ..errors import EXIT_FINDING
 from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, plural,
                      print_table, resolve_place, say)
 from .app import app
@@ -105,6 +106,7 @@ def gc(
       ckptctl gc warm:                     # the keep table of tier "warm"
     """
     from ..ops.gc import gc as do_gc
+    from ..ops.ownership import foreign_list
     from ..ops.policy import DEFAULT_GRACE, parse_duration
 
     place = resolve_place(root, storage_option)
@@ -114,9 +116,17 @@ def gc(
               grace=parse_duration(incomplete_grace or DEFAULT_GRACE))
     if json:
         emit_json(r.to_dict())
-        return
-    if quiet:
-        return
+    elif not quiet:
+        _report(r, dry_run)
+    if r.blocked:  # the policy asked for a removal gc would not do: a finding
+        for name, files in r.blocked.items():
+            print(f"ckptctl: kept {name}: it holds files that are not the checkpoint's "
+                  f"({foreign_list(files)}); move them away to let gc remove it",
+                  file=sys.stderr)
+        raise typer.Exit(EXIT_FINDING)
+
+
+def _report(r, dry_run: bool) -> None:
     if not r.checkpoints:
         say(f"no checkpoints under {r.root}")
     else:
@@ -175,10 +185,18 @@ def rm(
     url: str = typer.Argument(..., metavar="URL", help="One checkpoint: path, s3://..., "
                               "TIER:NAME."),
     force: bool = typer.Option(False, "--force", "-f", help="Remove it even if pinned."),
+    orphan_dependants: bool = typer.Option(False, "--orphan-dependants",
+                                           help="Remove it even though delta packs are "
+                                                "made against it (they can then no longer "
+                                                "be restored)."),
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
 ):
-    """Delete one checkpoint safely: commit markers first, then data; refuses a pinned one.
+    """Delete one checkpoint safely: commit markers first, then data.
+
+    Refused (exit 1): a pinned checkpoint (unless --force), the base of delta packs that
+    still need it (unless --orphan-dependants; the refusal names them), and a folder that
+    holds files which are not the checkpoint's (they are named; move them away first).
 
     \b
     EXAMPLES
@@ -188,7 +206,8 @@ def rm(
     from ..ops.remove import remove
 
     place = resolve_place(url, storage_option)
-    r = remove(place.url, place.storage_options, force=force)
+    r = remove(place.url, place.storage_options, force=force,
+               orphan_dependants=orphan_dependants)
     say(f"removed {r.url} ({plural(r.num_files, 'file')}, {human_bytes(r.bytes)})"
         + (" (was pinned)" if r.was_pinned else ""), quiet=quiet)
 

@@ -21,6 +21,9 @@ def inspect(
                                          help="Only entries whose name matches GLOB."),
     show_objects: bool = typer.Option(False, "--show-objects",
                                       help="List non-tensor entries, with values when plain data."),
+    allow_incomplete: bool = typer.Option(False, "--allow-incomplete",
+                                          help="Read a folder a ckptctl writer or remover "
+                                               "holds (.ckptctl-writing), for salvage."),
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
 ):
@@ -41,7 +44,7 @@ def inspect(
 
     place = resolve_place(ctx, url, storage_option)
     r = do_inspect(place.url, place.storage_options, filter=filter,
-                   show_objects=show_objects, tree=tree)
+                   show_objects=show_objects, tree=tree, allow_incomplete=allow_incomplete)
     if json:
         doc = r.to_dict()
         if not tree:

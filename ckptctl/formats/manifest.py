@@ -27,6 +27,10 @@ WRITING_MARKER = ".ckptctl-writing"
 PIN_FILE = ".ckptctl-pinned"
 #: Files of ckptctl's own that sit in a checkpoint folder but are not its content.
 CONTROL_FILES = (MANIFEST, WRITING_MARKER, PIN_FILE)
+#: A delta pack in another root needs this checkpoint as its base: one small file per
+#: pack, ``.ckptctl-needed-by.<hash of the pack's URL>`` (ops/ownership.py); bound to
+#: this place like a pin, so never copied and never part of a manifest.
+NEEDED_BY_PREFIX = ".ckptctl-needed-by."
 
 
 def writer_unfinished(files: dict[str, int]) -> bool:
@@ -43,8 +47,10 @@ def is_control_file(rel: str) -> bool:
 
     >>> is_control_file("ckptctl.manifest.json"), is_control_file(".ckptctl-pinned"), is_control_file("a.pt")
     (True, True, False)
+    >>> is_control_file(".ckptctl-needed-by.0f3a9c")
+    True
     """
-    return rel in CONTROL_FILES
+    return rel in CONTROL_FILES or rel.startswith(NEEDED_BY_PREFIX)
 
 
 @dataclass(frozen=True)

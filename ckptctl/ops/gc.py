@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from ..errors import StorageError, UsageError
 from .ls import CheckpointRow, iso_utc, ls
+from .ownership import foreign_list, split_owned
 from .policy import (DEFAULT_GRACE, Decision, Item, Policy, apply_policy, newest_first,
                      parse_duration)
 
@@ -63,6 +64,9 @@ class GcResult:
     uploads: list[GcUpload] = field(default_factory=list)
     #: False where the store cannot list unfinished uploads (then none are reported)
     uploads_checked: bool = False
+    #: name -> files that are not the checkpoint's: the policy would remove it, but gc
+    #: deletes only what it recognises (a finding: the CLI exits 1)
+    blocked: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def removed(self) -> list[GcCheckpoint]:
@@ -83,6 +87,7 @@ class GcResult:
                              "pinned": c.pinned, "action": c.action, "reasons": c.reasons,
                              "bytes": c.bytes, "created": iso_utc(c.time)}
                             for c in self.checkpoints],
+            "blocked": [{"name": n, "foreign_files": f} for n, f in self.blocked.items()],
             "uploads_checked": self.uploads_checked,
             "uploads": [{"url": u.url, "upload_id": u.upload_id,
                          "created": iso_utc(u.initiated), "action": u.action}
@@ -107,32 +112,84 @@ def _last_touched(row: CheckpointRow) -> float | None:
     """The newest modification time of any of the checkpoint's files (a write in
     progress touches some file; one stat or HEAD each: asked only of an uncommitted
     checkpoint that the marker's time alone would call old)."""
+    from ..errors import NotFoundError
+
     store, files, single = row.located
-    times = [store.modified(rel) for rel in ([single] if single else files)]
+    times = []
+    for rel in [single] if single else files:
+        try:
+            times.append(store.modified(rel))
+        except NotFoundError:  # removed since the listing (another gc): a change
+            times.append(time.time())
     times = [t for t in times if t is not None]
     return max(times) if times else None
 
 
-def gc_items(rows: list[CheckpointRow], *, now: float, grace: float) -> list[Item]:
+def _live_writer(row: CheckpointRow) -> str | None:
+    """``"pid N on HOST, COMMAND"`` when the row's writing marker names a ckptctl process
+    still running on this host (a promote's staging folder, a reshard), else None.
+    Local stores only: there the marker costs no request."""
+    from ..formats.manifest import WRITING_MARKER
+    from .output import live_writer
+
+    store, files, single = row.located
+    if single or WRITING_MARKER not in files or not store.is_local:
+        return None  # remote: a GET each, and the grace period covers remote writers
+    doc = live_writer(store)
+    return None if doc is None else \
+        f"pid {doc['pid']} on {doc['host']}, {doc.get('command') or 'ckptctl'}"
+
+
+def gc_items(rows: list[CheckpointRow], *, now: float, grace: float,
+             needed: dict[str, list[str]] | None = None) -> list[Item]:
     """The policy's view of an ``ls``: committed checkpoints are dated by creation; an
     uncommitted one by the last time any of its files changed (looked up only when it
-    would otherwise be old enough to go)."""
+    would otherwise be old enough to go). ``needed``: name -> packs elsewhere that need
+    it (:func:`needed_elsewhere`)."""
+    needed = needed or {}
     items = []
     for r in rows:
         m = r.manifest
         t = _created(r)
+        writer = None
         if r.state not in ("sealed", "complete") and not r.pinned and r.located \
                 and t is not None and now - t >= grace:
             t = _last_touched(r)
+            writer = _live_writer(r) if t is None or now - t >= grace else None
         items.append(Item(r.name, r.step, t, r.state, r.pinned,
                           tuple(getattr(m, "tags", None) or ()),
                           m.checkpoint_id if m is not None else None, getattr(m, "base", None),
-                          series=posixpath.dirname(r.name)))
+                          series=posixpath.dirname(r.name),
+                          missing_base=r.reason.startswith("MISSING_BASE"),
+                          needed_by=tuple(needed.get(r.name, ())), live_writer=writer))
     return items
 
 
+def needed_elsewhere(rows: list[CheckpointRow],
+                     storage_options: dict | None = None) -> dict[str, list[str]]:
+    """name -> URLs of the live delta packs outside this root that need that checkpoint
+    (:func:`~ckptctl.ops.ownership.external_dependants`); read only for the rows whose
+    listing holds such references."""
+    from ..formats.manifest import NEEDED_BY_PREFIX
+    from .ownership import external_dependants
+
+    listed = {r.url.rstrip("/") for r in rows}  # packs under this root: the policy sees them
+    out = {}
+    for r in rows:
+        if r.located is None or r.located[2] is not None:
+            continue
+        store, files, _ = r.located
+        if any(f.startswith(NEEDED_BY_PREFIX) for f in files):
+            urls = [u for u in external_dependants(store, files, None, storage_options)
+                    if u.rstrip("/") not in listed]
+            if urls:
+                out[r.name] = urls
+    return out
+
+
 def settle(rows: list[CheckpointRow], policy: Policy, storage_options: dict | None = None,
-           *, now: float, grace: float) -> tuple[list[CheckpointRow], list[Item], Decision]:
+           *, now: float, grace: float, needed: dict[str, list[str]] | None = None
+           ) -> tuple[list[CheckpointRow], list[Item], Decision]:
     """The decision over an ``ls`` whose rows may come from the listing alone
     (``exact`` False), reading only the rows it rests on: ``(rows, items, decision)``,
     the same decision as if every checkpoint had been read (steps taken from names).
@@ -155,7 +212,7 @@ def settle(rows: list[CheckpointRow], policy: Policy, storage_options: dict | No
                                            or policy.daily):
         rows = confirm(rows, storage_options, manifests=True)
     while True:
-        items = gc_items(rows, now=now, grace=grace)
+        items = gc_items(rows, now=now, grace=grace, needed=needed)
         decision = apply_policy(items, policy, now=now, grace=grace)
         todo = _unsettled(rows, items, decision, now=now, grace=grace)
         if not todo:
@@ -281,14 +338,20 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
     now = time.time() if now is None else now
     listing = ls(root, storage_options, manifests=True, check="auto")
     settled, items, decision = settle(listing.checkpoints, policy, storage_options, now=now,
-                                      grace=grace)
+                                      grace=grace,
+                                      needed=needed_elsewhere(listing.checkpoints,
+                                                              storage_options))
     rows = {r.name: r for r in settled}
     if listed is not None:
         protect = {**{n: "appeared after the listing" for n in rows if n not in listed},
                    **(protect or {})}
+    blocked = _foreign(rows, decision.remove, storage_options)
+    protect = {**{n: f"holds files not its own ({foreign_list(f)})" for n, f in blocked.items()},
+               **(protect or {})}
     if protect:
         decision = protect_decision(decision, protect, [i.name for i in newest_first(items)])
-    result = GcResult(listing.root, policy.describe(), dry_run, grace, now, decision)
+    result = GcResult(listing.root, policy.describe(), dry_run, grace, now, decision,
+                      blocked=blocked)
     for item in newest_first(items):
         r = rows[item.name]
         keep = item.name in decision.keep
@@ -310,6 +373,28 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
                 remove_checkpoint(store, files, single=single)
     _uploads(result, root, storage_options, now=now, grace=grace, dry_run=dry_run)
     return result
+
+
+def _foreign(rows: dict[str, CheckpointRow], names: list[str],
+             storage_options: dict | None) -> dict[str, list[str]]:
+    """The checkpoints among ``names`` that hold files they do not own
+    (:func:`~ckptctl.ops.ownership.split_owned`), with those files: from the listing, and
+    the manifest of a sealed one (read here if the listing alone classified it)."""
+    from ..formats.manifest import MANIFEST
+    from .ls import confirm
+
+    out = {}
+    for name in names:
+        r = rows[name]
+        if r.located is None:
+            continue
+        foreign = split_owned(r.located[1], r.manifest, single=r.located[2])[1]
+        if foreign and not r.exact and MANIFEST in r.located[1]:  # what does it list?
+            r = rows[name] = confirm([r], storage_options, manifests=True)[0]
+            foreign = split_owned(r.located[1], r.manifest, single=r.located[2])[1]
+        if foreign:
+            out[name] = foreign
+    return out
 
 
 def _uploads(result: GcResult, root: str, storage_options: dict | None, *, now: float,

@@ -160,9 +160,15 @@ def _jsonable(v):
 
 
 def inspect(url: str, storage_options: dict | None = None, *, filter: str | None = None,
-            show_objects: bool = False, tree: bool = False) -> InspectResult:
-    """Open ``url`` (metadata only) and summarise it."""
-    ck = open_checkpoint(url, storage_options)
+            show_objects: bool = False, tree: bool = False,
+            allow_incomplete: bool = False) -> InspectResult:
+    """Open ``url`` (metadata only) and summarise it; a folder a ckptctl writer holds is
+    refused unless ``allow_incomplete``.
+
+    >>> inspect("ckpt/step-20").format                       # doctest: +SKIP
+    'dcp'
+    """
+    ck = open_checkpoint(url, storage_options, allow_incomplete=allow_incomplete)
     r = summarize(ck, filter=filter, show_objects=show_objects, tree=tree)
     if filter is not None and not r.tensors and not r.objects:
         raise UsageError(f"--filter {filter!r} matches no entry (a glob over whole names; "

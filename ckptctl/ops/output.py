@@ -11,9 +11,12 @@ committed, or marked as unfinished, or gone.
 
 Any exception on the way (Ctrl-C, SIGTERM turned into Ctrl-C by the CLI, a full disk, a
 bug) removes what this run created, and DST itself when it did not exist before.
-``force`` replaces a non-empty DST: the marker goes in first, then the manifest and the
-format's markers are removed before the rest, so a crash mid-delete never leaves
-something that looks valid.
+``force`` replaces a non-empty DST, but only what the command itself would have written:
+an unfinished ckptctl write, or one checkpoint that is not pinned, not a delta pack's base
+and holds no file of anyone else's (:func:`~ckptctl.ops.ownership.why_not_replace`); a
+folder of checkpoints or user files is refused, naming them. The marker goes in first,
+then the manifest and the format's markers are removed before the rest, so a crash
+mid-delete never leaves something that looks valid.
 
 >>> with OutputDir(open_store("out/"), command="consolidate") as out:   # doctest: +SKIP
 ...     with out.open("model.safetensors") as f:
@@ -144,8 +147,10 @@ class OutputDir:
     """
 
     def __init__(self, store: Store, *, command: str, force: bool = False,
-                 single_file: str | None = None, source: str | None = None):
+                 single_file: str | None = None, source: str | None = None,
+                 storage_options: dict | None = None):
         self.store, self.command, self.force = store, command, force
+        self.storage_options = storage_options  # to find the packs a replaced base had
         self.single_file = single_file
         self.source = source  # never written into nor removed (``--force`` on the source)
         self.cancelled = threading.Event()
@@ -166,9 +171,18 @@ class OutputDir:
             return self
         self._existed = store.exists()
         files = store.list_files() if self._existed else {}
-        if files and not self.force:
-            raise UsageError(f"destination {store.url} is not empty; choose a new place "
-                             "or pass --force to replace it")
+        if files:
+            from .ownership import why_not_replace
+
+            why = why_not_replace(store, files, self.storage_options)
+            if why is not None:  # --force never takes what this command would not write
+                raise UsageError(f"destination {store.url} is not empty and {why}; choose "
+                                 "a new place" + (" (--force replaces only an unfinished "
+                                                  "write or one unpinned checkpoint)"
+                                                  if self.force else ""))
+            if not self.force:
+                raise UsageError(f"destination {store.url} is not empty; choose a new place "
+                                 "or pass --force to replace it")
         if WRITING_MARKER in files:
             self._refuse_live_writer()
         try:
@@ -199,13 +213,10 @@ class OutputDir:
     def _refuse_live_writer(self) -> None:
         """``--force`` replaces what a killed writer left, not a writer still running on
         this host (its marker names a live ckptctl process)."""
-        try:
-            doc = json.loads(self.store.read(WRITING_MARKER))
-            pid, host = int(doc["pid"]), doc["host"]
-        except (CkptError, ValueError, KeyError, TypeError):
-            return  # unreadable: a leftover
-        if host != socket.gethostname() or pid == os.getpid() or not _is_ckptctl(pid):
-            return
+        doc = live_writer(self.store)
+        if doc is None or int(doc["pid"]) == os.getpid():
+            return  # a leftover (or this very process's own)
+        pid = doc["pid"]
         raise UsageError(f"{self.store.display(WRITING_MARKER)}: a ckptctl writer (pid {pid}, "
                          f"started {doc.get('started')}) is still writing here; stop it first")
 
@@ -304,6 +315,26 @@ class OutputDir:
                 _sync_dir(store.full())
         finally:
             _unblock_signals(blocked)
+
+
+def live_writer(store: Store) -> dict | None:
+    """The ``.ckptctl-writing`` record of ``store`` when it names a ckptctl process still
+    running on this host (this one included), else None: a leftover of a killed writer,
+    another host's (which cannot be checked from here) or no marker at all.
+
+    >>> import tempfile
+    >>> from ckptctl.storage import open_store
+    >>> live_writer(open_store(tempfile.mkdtemp())) is None
+    True
+    """
+    try:
+        doc = json.loads(store.read(WRITING_MARKER))
+        pid, host = int(doc["pid"]), doc["host"]
+    except (CkptError, ValueError, KeyError, TypeError):
+        return None  # missing or unreadable: a leftover
+    if host != socket.gethostname() or not (pid == os.getpid() or _is_ckptctl(pid)):
+        return None
+    return doc
 
 
 def _is_ckptctl(pid: int) -> bool:

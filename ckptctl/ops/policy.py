@@ -15,10 +15,13 @@ Policy words (``--keep-*`` flags, or a tier's ``keep = {...}`` table):
   (days) that have one;
 * ``tags T...``: every checkpoint whose manifest carries one of the tags.
 
-They apply to committed checkpoints (state ``sealed`` or ``complete``); a checkpoint is
-kept when any word keeps it. Rails hold whatever the policy says: the newest committed
-checkpoint, a pinned one, the base of a kept pack (transitively), and an incomplete or
-corrupt one younger than the grace period (it may be being written) are never removed; a
+They apply to committed checkpoints (state ``sealed`` or ``complete``); ``last`` and
+``every`` rank only checkpoints with a step. A checkpoint is kept when any word keeps it.
+Rails hold whatever the policy says: the newest committed checkpoint (with a step), a
+pinned one, the base of a kept pack (transitively), one without a step (nothing ranks it:
+"no step"), a delta pack whose base is missing (its own files are whole: it restores once
+the base is named), and an incomplete or corrupt one younger than the grace period (it
+may be being written) are never removed; a
 checkpoint whose state cannot be read here (``unknown``) is kept, and so is a corrupt one
 that no committed checkpoint supersedes (newer by step): what this version cannot read
 may be what a newer framework wrote, and a run whose every checkpoint reads as corrupt
@@ -185,6 +188,16 @@ class Item:
     #: checkpoints of one series (``gc``: the folder holding them, one run) are ranked
     #: against each other only: every run under a root keeps its own newest, its own last N
     series: str = ""
+    #: a delta pack whose own files are whole but whose base chain is not (``incomplete``
+    #: with ``MISSING_BASE``): no unfinished write, and restorable once its base is named
+    #: (``unpack --base``), so never removed as garbage
+    missing_base: bool = False
+    #: delta packs elsewhere (URLs) that need this checkpoint as their base: kept, and
+    #: so is its own chain
+    needed_by: tuple[str, ...] = ()
+    #: a ckptctl process on this host is writing it right now (its writing marker says
+    #: so, and the process runs): kept whatever the grace period
+    live_writer: str | None = None
 
     @property
     def committed(self) -> bool:
@@ -226,17 +239,17 @@ def _series_reasons(ordered: list[Item], policy: Policy, now: float, grace: floa
                     reasons: dict[str, list[str]]) -> None:
     """Add the policy's and the rails' reasons for one series (newest first) to ``reasons``."""
     committed = [i for i in ordered if i.committed]
+    ranked = [i for i in committed if i.step is not None]  # a step-less one has no rank
 
     for i in committed:  # tags are not counted, as in restic
         reasons[i.name] += [f"tag {t}" for t in policy.tags if t in i.tags]
     if policy.last:
-        for i in committed[:policy.last]:
+        for i in ranked[:policy.last]:
             reasons[i.name].append(f"last {policy.last}")
     if policy.every:
         lowest: dict[int, Item] = {}
-        for i in committed:  # newest first: the last one seen per block has its lowest step
-            if i.step is not None:
-                lowest[i.step // policy.every] = i
+        for i in ranked:  # newest first: the last one seen per block has its lowest step
+            lowest[i.step // policy.every] = i
         for i in lowest.values():
             reasons[i.name].append(f"every {policy.every} steps")
     timed = sorted((i for i in committed if i.time is not None),
@@ -257,14 +270,22 @@ def _series_reasons(ordered: list[Item], policy: Policy, now: float, grace: floa
                 reasons[i.name].append("hourly checkpoint" if hourly else "daily checkpoint")
 
     # rails: whatever the policy says
-    if committed:
-        reasons[committed[0].name].append("newest committed")
-    superseded = set(i.name for i in ordered[ordered.index(committed[0]) + 1:]) \
-        if committed else set()
+    if ranked:
+        reasons[ranked[0].name].append("newest committed")
+    superseded = set(i.name for i in ordered[ordered.index(ranked[0]) + 1:]) \
+        if ranked else set()
     for i in ordered:
         if i.pinned:
             reasons[i.name].append("pinned")
-        if i.state == "unknown":
+        for url in i.needed_by[:3]:
+            reasons[i.name].append(f"base of {url}")
+        if i.live_writer:
+            reasons[i.name].append(f"being written ({i.live_writer})")
+        if i.step is None and not reasons[i.name]:
+            reasons[i.name].append("no step")  # nothing to rank it by: never garbage
+        elif i.missing_base:
+            reasons[i.name].append("its base is missing (restore with unpack --base, or rm)")
+        elif i.state == "unknown":
             reasons[i.name].append("state unknown")
         elif not i.committed and not i.pinned and (i.time is None or now - i.time < grace):
             reasons[i.name].append(f"{i.state}, younger than grace")

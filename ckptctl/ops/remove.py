@@ -21,10 +21,11 @@ import socket
 import time
 from dataclasses import asdict, dataclass
 
-from ..errors import CkptError, Finding, UsageError
+from ..errors import CkptError, Finding, StorageError, UsageError
 from ..formats.dcp import METADATA
-from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER
+from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest
 from ..storage import Store
+from .ownership import foreign_list, packs_needing, refuse_foreign
 
 #: Files whose presence makes a folder look committed, most authoritative first.
 COMMIT_MARKERS = (MANIFEST, METADATA, "model.safetensors.index.json")
@@ -145,10 +146,14 @@ def _remove_empty_folders(store: Store, files: dict[str, int]) -> None:
         pass
 
 
-def remove(url: str, storage_options: dict | None = None, *, force: bool = False) -> RemoveResult:
+def remove(url: str, storage_options: dict | None = None, *, force: bool = False,
+           orphan_dependants: bool = False) -> RemoveResult:
     """``ckptctl rm URL``: delete the one checkpoint at ``url`` (a folder ``ls`` would list,
     or a lone checkpoint file) with :func:`remove_checkpoint`; anything else, such as a
-    run's root, is refused (exit 2) before anything is deleted.
+    run's root, is refused (exit 2) before anything is deleted. So is (exit 1) a folder
+    holding files that are not the checkpoint's (``FOREIGN_FILES``), and the base of delta
+    packs that still need it (``HAS_DEPENDANTS``: packs beside it in its root, or
+    elsewhere through the references they left) unless ``orphan_dependants``.
 
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "step-1").mkdir()
@@ -166,4 +171,19 @@ def remove(url: str, storage_options: dict | None = None, *, force: bool = False
     if single is None and "" not in group_checkpoints(files):
         raise UsageError(f"{store.url}: not a checkpoint folder (rm removes one checkpoint; "
                          "`ckptctl ls` shows them, `ckptctl gc` removes many)")
+    man = None
+    if single is None:
+        try:
+            man = Manifest.read(store, files)
+        except StorageError:
+            raise
+        except CkptError:  # unreadable: no id, so nothing can depend on it
+            man = None
+    refuse_foreign(store.url, files, man, single=single)
+    if man is not None and not orphan_dependants:
+        deps = packs_needing(url, store, files, man.checkpoint_id, storage_options)
+        if deps:
+            raise Finding(store.url, f"the base of {len(deps)} delta pack(s) that could not be "
+                          f"restored without it ({foreign_list(deps)}); remove those first, "
+                          "or pass --orphan-dependants", code="HAS_DEPENDANTS")
     return remove_checkpoint(store, files, single=single, force_pinned=force)

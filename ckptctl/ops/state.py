@@ -3,21 +3,25 @@
 * ``sealed``: a ckptctl manifest is present and every file it lists is there at its size;
 * ``complete``: the format's own commit marker is there and parses (DCP ``.metadata``,
   safetensors headers, HF index), every data file it names is present and long enough;
-* ``incomplete``: the commit marker or a data file is missing (a write in progress, a crash);
+* ``incomplete``: the commit marker or a data file is missing (a write in progress, a crash),
+  or a delta pack's base chain is not all there and committed (``MISSING_BASE``: it
+  cannot be restored, whatever its own files say);
 * ``corrupt``: something is there but wrong (unparsable metadata, wrong sizes);
-* ``unknown``: it cannot be read here (a torch.save file without torch installed).
+* ``unknown``: it cannot be read here (a torch.save file without torch installed), or it
+  is a format ckptctl does not read (DeepSpeed, Megatron-core, Orbax: refused by name).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .._deps import MissingDependencyError
+from ..errors import UnsupportedFormatError
 from ..formats.manifest import MANIFEST
 from .verify import verify
 
 SEALED, COMPLETE, INCOMPLETE, CORRUPT = "sealed", "complete", "incomplete", "corrupt"
 UNKNOWN = "unknown"
-_INCOMPLETE_CODES = {"NOT_COMMITTED", "MISSING_FILE"}
+_INCOMPLETE_CODES = {"NOT_COMMITTED", "MISSING_FILE", "MISSING_BASE"}
 
 
 @dataclass
@@ -45,6 +49,10 @@ def checkpoint_state(url: str, storage_options: dict | None = None, *,
         r = verify(url, storage_options, level="quick", located=located, uploads=False)
     except MissingDependencyError as e:  # not a verdict on the checkpoint: say what it needs
         return StateReport(UNKNOWN, e.message, None, None)
+    except UnsupportedFormatError as e:  # another framework's layout: not ckptctl's to judge
+        if not getattr(e, "framework", None):
+            raise
+        return StateReport(UNKNOWN, e.message, None, None)
     errors = [p for p in r.problems if p.severity == "error"]
     if not errors:
         return StateReport(SEALED if r.sealed else COMPLETE,
@@ -52,22 +60,6 @@ def checkpoint_state(url: str, storage_options: dict | None = None, *,
                            "format metadata present and consistent", r.format, r.step)
     first = errors[0]
     reason = f"{first.code}: {first.path + ': ' if first.path else ''}{first.message}"
-    if r.sealed and located is not None and _only_its_base(errors, url, located[1]):
-        # a delta pack whose own files match its manifest but whose base cannot be read
-        # from here (moved, deleted, another tier): still sealed, not an unfinished write
-        # (gc would remove it after the grace period); DCP packs read no base to tell
-        return StateReport(SEALED, f"pack's files match its manifest; its base cannot be "
-                           f"read here ({reason})", r.format, r.step)
     state = INCOMPLETE if any(p.code in _INCOMPLETE_CODES for p in errors) else CORRUPT
     return StateReport(state, reason, r.format, r.step)
 
-
-def _only_its_base(errors, url: str, files: dict[str, int]) -> bool:
-    """Are all of a pack folder's errors about another checkpoint (its base), none about
-    its own files?"""
-    from ..formats.pack import is_pack
-
-    inside = url.rstrip("/") + "/"
-    return is_pack(files) and all(
-        p.path and p.path != url.rstrip("/") and not p.path.startswith(inside)
-        for p in errors)

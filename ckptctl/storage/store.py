@@ -326,6 +326,21 @@ class Store:
                                     if old in self._mtimes})
         return sub
 
+    def parent(self) -> "Store":
+        """The store of the folder holding this one, on the same filesystem (same
+        credentials and endpoint).
+
+        >>> open_store("/tmp/run/step-1").parent().url
+        '/tmp/run'
+        """
+        root = posixpath.dirname(self.root.rstrip("/")) or "/"
+        if self.is_local:
+            return Store(root, self.fs, self.protocol, root)
+        url = self.url.rstrip("/")
+        if url.count("/") <= 2:  # s3://bucket: nothing above it
+            return self
+        return Store(url.rsplit("/", 1)[0], self.fs, self.protocol, root)
+
     def local_path(self, rel: str) -> str | None:
         """A path the OS can open (for mmap), or None for remote stores."""
         return self.full(rel) if self.is_local else None
