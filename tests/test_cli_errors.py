@@ -52,9 +52,9 @@ def test_ls_s3_missing_bucket_and_prefix_exit_3(cli, bucket):
     assert (code, out) == (3, "")
     assert _one_line(err) == f"ckptctl: error: {missing}: no such bucket"
     code, out, err = cli("ls", bucket.url("no/such/prefix"), *_opts(bucket))
-    assert (code, out) == (3, "")
-    assert _one_line(err) == \
-        f"ckptctl: error: {bucket.url('no/such/prefix')}: no such file or directory"
+    # S3 has no folders: a prefix with nothing under it is an empty place (issue 17, item 8)
+    assert (code, err) == (0, "")
+    assert out == f"no checkpoints under {bucket.url('no/such/prefix')}\n"
     code, out, err = cli("ls", bucket.url(), *_opts(bucket))  # there, and empty
     assert (code, err) == (0, "") and out == f"no checkpoints under {bucket.url()}\n"
 

@@ -280,6 +280,61 @@ def test_loop_sigterm_exits_0_and_sigkill_resumes(tmp_path):
     assert read_status(str(cfg))["in_flight"] is None
 
 
+def test_a_copy_of_the_config_does_not_run_a_second_watch(tmp_path):
+    """The lock is the first tier's, not the config file's: a copy of the config elsewhere
+    (naming hot through a symlink, with a trailing slash) is refused while a watch of the
+    original runs (exit 2, one line naming its pid and config); --status of the copy shows
+    the running watch; once that has stopped, the copy runs, and --status of either config
+    shows the last watch of these tiers."""
+    from ckptctl.ops.watch import lock_holder
+
+    cfg = _config(tmp_path, hot_keep=5, warm_keep=5)
+    _step(tmp_path / "hot", 100)
+    other = tmp_path / "elsewhere"
+    other.mkdir()
+    (other / "hot-link").symlink_to(tmp_path / "hot")
+    copy = other / "copy.toml"
+    copy.write_text(cfg.read_text().replace(f'"{tmp_path / "hot"}"',
+                                            f'"{other / "hot-link"}/"'))
+    assert load_config(str(copy)).tiers[0].url != load_config(str(cfg)).tiers[0].url
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptctl", "--config", str(cfg), "watch", "--interval", "600",
+         "--settle", "0", "--no-nice"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        # ready: it holds the lock and has saved the status of its first pass
+        assert _wait_for(lambda: proc.poll() is not None or (
+            (lock_holder(load_config(str(copy))) or {}).get("pid") == proc.pid
+            and (read_status(str(cfg)) or {}).get("pid") == proc.pid
+            and (read_status(str(cfg)) or {}).get("last_pass")), timeout=600)
+        assert proc.poll() is None, proc.stderr.read()
+        code, out, err = run_cli("--config", str(copy), "watch", "--once", "--settle", "0",
+                                 "--no-nice")
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, (code, out, err)
+        assert f"another watch (pid {proc.pid}, config {cfg})" in err, err
+        assert str(copy) in err and "tier 'hot'" in err, err
+        code, out, err = run_cli("--config", str(copy), "watch", "--status")
+        assert code == 0 and f"watch of {cfg}: " in out and f"pid {proc.pid}" in out, out + err
+        code, out, err = run_cli("--config", str(copy), "watch", "--status", "--json")
+        doc = json.loads(out)
+        assert code == 0 and doc["config"] == str(cfg) and doc["status"]["pid"] == proc.pid
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == 0, proc.stderr.read()
+    code, out, err = run_cli("--config", str(copy), "watch", "--once", "--settle", "0",
+                             "--no-nice")
+    assert code == 0, out + err
+    assert lock_holder(load_config(str(cfg)))["config"] == str(copy)  # the lock is the tier's
+    code, out, err = run_cli("--config", str(cfg), "watch", "--status")
+    assert code == 0 and f"watch of {copy}: " in out, out  # the last watch of these tiers
+
+
 def _fill(mnt: Path) -> Path:
     """Fill the file system at ``mnt``: a ballast file beside the tier grows until ENOSPC."""
     import errno

@@ -40,6 +40,9 @@ def verify(
                                            help="With --level full: check a deterministic "
                                                 "fraction (0-1] of the files (default: all)."),
     workers: int = typer.Option(4, "--workers", min=1, help="Parallel readers/hashers."),
+    all_: bool = typer.Option(False, "--all", help="URL is a run's root: verify every "
+                              "checkpoint under it (as `ckptctl ls` lists them), one report "
+                              "each; exit 1 if any has a problem or cannot be read."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
@@ -58,18 +61,30 @@ def verify(
       ckptctl verify --level full --require model,optim,step ckpt/ && deploy
       ckptctl verify -l full --check-finite --sample 0.1 s3://runs/step-12000
       ckptctl verify --level full cold:step-12000
+      ckptctl verify --all /lustre/run1 --json
     """
+    from ..errors import UsageError
+    from ..formats.detect import several
     from ..ops import verify as do_verify
     from ..ops.distributed import Group
 
     place = resolve_place(ctx, url, storage_option)
+    if all_:
+        return _verify_all(place, level=level.value, require=require, check_finite=check_finite,
+                           sample=sample, workers=workers, json=json, quiet=quiet)
     # under torchrun/srun the full level's files are split over the processes; rank 0
     # reports every finding and carries the exit code, the others exit 0 once they reported
     group = Group.from_env() if level == Level.full else Group()
     with byte_progress("verify", enabled=level == Level.full and not (json or quiet)) as bar:
-        r = do_verify(place.url, place.storage_options, level=level.value, require=require, check_finite=check_finite,
-                      sample=sample, workers=workers, on_bytes=bar, on_total=bar and bar.total,
-                      group=group)
+        try:
+            r = do_verify(place.url, place.storage_options, level=level.value, require=require, check_finite=check_finite,
+                          sample=sample, workers=workers, on_bytes=bar, on_total=bar and bar.total,
+                          group=group)
+        except UsageError as e:  # a run's root: name the way to verify all it holds
+            if getattr(e, "checkpoints", None) is None:
+                raise
+            shown = url if url.endswith(("/", ":")) else url + "/"
+            raise several(e.path, e.checkpoints, f"ckptctl verify {shown} --all") from None
     if group.rank != 0:
         if json:
             emit_json(group.tag(r.to_dict()))
@@ -90,6 +105,46 @@ def verify(
             f"{human_bytes(r.bytes_read)} read in {r.seconds:.2f}s)", quiet=quiet)
     if not r.ok:
         raise typer.Exit(EXIT_FINDING)
+
+
+def _verify_all(place, *, level: str, require, check_finite: bool, sample, workers: int,
+                json: bool, quiet: bool) -> None:
+    """``verify --all``: one row per checkpoint, the problems of those that have any."""
+    from ..ops.verify import verify_all
+
+    with byte_progress("verify", enabled=level == "full" and not (json or quiet)) as bar:
+        r = verify_all(place.url, place.storage_options, level=level, require=require,
+                       check_finite=check_finite, sample=sample, workers=workers, on_bytes=bar)
+    if json:
+        emit_json(r.to_dict())
+    elif not quiet:
+        if r.checkpoints:
+            print_table(["name", "step", "format", "result"],
+                        [[c.name, "-" if c.result.step is None else str(c.result.step),
+                          c.result.format or "-",
+                          "OK" if c.result.ok else f"not read: {_reason(c.error)}" if c.error
+                          else plural(len(c.result.problems), "problem")]
+                         for c in r.checkpoints], fold=(3,))
+        bad = [p for c in r.checkpoints for p in c.result.problems]
+        if bad:
+            say("")
+            print_table(["code", "severity", "where", "message"], problem_rows(bad), fold=(3,))
+        n_ok = sum(c.result.ok for c in r.checkpoints)
+        unread = sum(c.error is not None for c in r.checkpoints)
+        parts = [f"{n_ok} OK"] + ([f"{len(r.checkpoints) - n_ok - unread} with problems"]
+                                  if len(r.checkpoints) - n_ok - unread else []) \
+            + ([f"{unread} not read"] if unread else [])
+        say(f"{r.url}: {plural(len(r.checkpoints), 'checkpoint')}"
+            + (f": {', '.join(parts)}" if r.checkpoints else "")
+            + f" ({r.level}; {human_bytes(r.bytes_read)} read in {r.seconds:.2f}s)", quiet=quiet)
+    if not r.ok:
+        raise typer.Exit(EXIT_FINDING)
+
+
+def _reason(error: dict) -> str:
+    """An error's message without the path the row already names."""
+    msg, path = error["message"], error["path"]
+    return msg[len(path) + 2:] if path and msg.startswith(f"{path}: ") else msg
 
 
 def problem_rows(problems: list, first: int = 3) -> list[list[str]]:
@@ -141,7 +196,10 @@ def seal(
     step: Optional[int] = typer.Option(None, "--step", help="Step to record (default: the "
                                        "checkpoint's step entry, else its name)."),
     tag: Optional[List[str]] = typer.Option(None, "--tag", metavar="TAG",
-                                            help="Tag to record, repeatable."),
+                                            help="Tag to record, repeatable. A sealed "
+                                                 "checkpoint gets the tags it lacks; the "
+                                                 "tags of sealers running at once all end "
+                                                 "up in its manifest."),
     update: bool = typer.Option(False, "--update",
                                 help="Reseal a sealed checkpoint after files were added on "
                                      "purpose: every listed file must still match its hash; "
@@ -155,8 +213,9 @@ def seal(
     """Write the hash manifest (the commit marker) of a checkpoint, last and atomically.
 
     Refuses (exit 1) a checkpoint that is incomplete or inconsistent. Sealing a sealed
-    checkpoint verifies it against its manifest instead, and names the files the
-    manifest does not list (EXTRA_FILE); --update adds them to it.
+    checkpoint verifies it against its manifest instead (and adds the --tag tags it
+    lacks), and names the files the manifest does not list (EXTRA_FILE); --update adds
+    them to it.
 
     \b
     EXAMPLES
@@ -174,7 +233,8 @@ def seal(
     if json:
         emit_json(r.to_dict())
         return
-    what = {"sealed": "sealed", "updated": "resealed (manifest updated)"}.get(
+    what = {"sealed": "sealed", "updated": "resealed (manifest updated)",
+            "tagged": "already sealed; verified against its manifest, tags added"}.get(
         r.action, "already sealed; verified against its manifest")
     extra = [p for p in r.problems if p.code == "EXTRA_FILE"]
     for p in r.problems:
@@ -184,4 +244,6 @@ def seal(
             f"{'it' if len(extra) == 1 else 'them'} (after checking the listed files)", quiet=quiet)
     say(f"{r.url}: {what}: {plural(r.num_files, 'file')}, {human_bytes(r.bytes)}, {r.hash}, "
         f"step {r.step if r.step is not None else '-'} ({r.seconds:.2f}s)", quiet=quiet)
+    if r.tags:
+        say(f"tags {', '.join(r.tags)}", quiet=quiet)
     say(f"id {r.manifest_id}", quiet=quiet)

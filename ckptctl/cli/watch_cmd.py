@@ -55,8 +55,10 @@ def watch(
 
     The tiers' listings are the state: a restart (even after SIGKILL) picks up where it
     stopped, and promote resumes a half-done hop. Beside that, watch keeps a JSON-lines
-    event log, a status file and a lock (one watch per config) under
-    $XDG_CACHE_HOME/ckptctl/watch/ (default ~/.cache). SIGTERM or Ctrl-C stops after the
+    event log and a status file under $XDG_CACHE_HOME/ckptctl/watch/ (default ~/.cache),
+    and a lock in .../ckptctl/watch-locks/: one watch per node and first tier, whatever
+    config file names it (a second one exits 2 naming the running one's pid and config;
+    --status shows the running one's status). SIGTERM or Ctrl-C stops after the
     current part, saves the status and exits 0. With --json the loop prints one JSON
     document per pass (JSON lines).
 
@@ -69,7 +71,7 @@ def watch(
     """
     from ..config import CONFIG_ENV, CONFIG_NAME
     from ..errors import UsageError
-    from ..ops.watch import Watcher, lower_priority, read_status
+    from ..ops.watch import Watcher, lower_priority
     from .common import current_config
 
     config = current_config(ctx)
@@ -81,15 +83,15 @@ def watch(
 
         node_rank = node_rank_from_env()
     if status:
-        from ..ops.watch import measured_plan
+        from ..ops.watch import measured_plan, watch_status
 
-        doc = read_status(config.path, node_rank)
-        figures = measured_plan(config, doc)
+        ran, doc = watch_status(config, node_rank)  # a running watch of a copy: its status
+        figures = measured_plan(ran, doc)
         if json:
-            emit_json({"config": config.path, "status": doc,
+            emit_json({"config": ran.path, "status": doc,
                        "plan": figures.to_dict() if figures else None})
         elif not quiet:
-            _print_status(config.path, doc)
+            _print_status(ran.path, doc)
             _print_plan(figures)
         return
     if not no_nice:

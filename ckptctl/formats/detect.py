@@ -6,6 +6,8 @@
 'safetensors'
 >>> detect_format({"model.safetensors": 10, "optimizer.bin": 5, "random_states_0.pkl": 1})
 'composite'
+>>> detect_format({"zero_pp_rank_0_mp_rank_00_model_states.pt": 10})
+'deepspeed'
 >>> step_from_name("s3://b/run/global_step1200"), step_from_name("iter_0001200"), step_from_name("x")
 (1200, 1200, None)
 >>> step_from_name("ckpts/epoch=3-step=1200.ckpt"), step_from_name("m-epoch=0-step=7-v1.ckpt")
@@ -16,11 +18,13 @@ from __future__ import annotations
 import posixpath
 import re
 
-from ..errors import CkptError, FormatError, UnsupportedFormatError
-from ..model import Checkpoint
-from ..storage import Store, open_store
-from . import composite, dcp, safetensors, torchsave
-from .manifest import read_manifest
+from ..errors import CkptError, FormatError, UnsupportedFormatError, UsageError
+from ..model import Checkpoint, natural_key
+from ..storage import Store
+from . import composite, dcp, foreign, safetensors, torchsave
+from .locate import file_format as _file_format
+from .locate import locate
+from .manifest import MANIFEST, WRITING_MARKER, read_manifest
 from .pack import PackStore, is_pack, pack_view
 
 _STEP_PATTERNS = [re.compile(p) for p in (
@@ -50,6 +54,8 @@ def detect_format(files: dict[str, int]) -> str | None:
     """The format the files of a folder make up, or None."""
     if is_pack(files):  # its data-NNNNN.bin files are no torch.save files
         return "pack"
+    if fw := foreign.format_of(files):  # DeepSpeed, Megatron, Orbax: refused by name
+        return fw
     if dcp.is_dcp(files):
         return "dcp"
     if composite.is_state_folder(files):
@@ -101,44 +107,31 @@ def not_a_checkpoint(store: Store, rel: str, size: int) -> str | None:
     return None
 
 
-def _file_format(name: str) -> str | None:
-    if name.endswith(".safetensors"):
-        return "safetensors"
-    if torchsave.is_torch_file(name):
-        return "torch"
-    return None
-
-
-def locate(url: str, storage_options: dict | None = None) -> tuple[Store, dict[str, int], str | None]:
-    """(store of the folder, its files, the single file meant or None) for a URL that names
-    a checkpoint folder or one checkpoint file. One listing request for a folder."""
-    store = open_store(url, storage_options)
-    files = store.list_files()
-    if files:  # a pack's own files: readers open the checkpoint inside with pack_view
-        return store, files, None
-    parent_url, name = url.rstrip("/").rsplit("/", 1) if "/" in url.rstrip("/") else (".", url)
-    parent = open_store(parent_url or "/", storage_options)
-    if _file_format(name) and parent.exists(name):
-        return parent, {name: parent.size(name)}, name
-    if not store.exists():
-        from ..errors import NotFoundError
-        raise NotFoundError(url, "no such file or directory")
-    if not store.isdir():  # a file, of no format ckptctl reads
-        raise UnsupportedFormatError(url, "not a checkpoint")
-    raise UnsupportedFormatError(url, "empty: no checkpoint files here")
-
-
 def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bool = True,
-                    read_step: bool = True, located: tuple | None = None) -> Checkpoint:
+                    read_step: bool = True, located: tuple | None = None,
+                    allow_incomplete: bool = False) -> Checkpoint:
     """Open whatever checkpoint is at ``url``: format detection, metadata, manifest, step.
 
     Reads metadata only: a DCP checkpoint costs one listing and one or two GETs.
-    ``located``: what :func:`locate` returned, to save listing again.
+    ``located``: what :func:`locate` returned, to save listing again. A folder that a
+    ckptctl writer or remover holds (``.ckptctl-writing``) is refused (``NOT_COMMITTED``)
+    unless ``allow_incomplete`` (salvage: read what is there).
     """
-    store, files, single = pack_view(located or locate(url, storage_options), storage_options)
-    fmt = _file_format(single) if single else detect_format(files)
+    located = located or locate(url, storage_options)
+    if not located[2] and WRITING_MARKER in located[1] and not allow_incomplete:
+        raise FormatError(url, "a ckptctl writer or remover holds this folder "
+                          f"({WRITING_MARKER}): wait for it, or rerun the writer with --force; "
+                          "--allow-incomplete reads it anyway", code="NOT_COMMITTED")
+    store, files, single = pack_view(located, storage_options)
+    # another framework's layout is refused by name, never read in part (formats/foreign.py)
+    fmt = foreign.refuse_if_foreign(url, files, store, single) \
+        or (_file_format(single) if single else detect_format(files))
     if fmt == "dcp":
-        ck = dcp.read_dcp(store, files, strict=strict)
+        try:
+            ck = dcp.read_dcp(store, files, strict=strict)
+        except FormatError:  # Megatron-core's .metadata: say what the folder is
+            foreign.refuse_megatron_plans(url, store, files)
+            raise
     elif fmt == "safetensors" and single:
         ck = safetensors.read_safetensors(store, files, single)
     elif fmt == "torch" and single:
@@ -150,11 +143,12 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
                 raise UnsupportedFormatError(url, f"not a checkpoint: {why}") from None
             raise
     elif fmt == "pack":  # a committed pack opens through pack_view: this one is not
-        raise FormatError(url, "an unfinished pack write (.ckptctl-writing is there); rerun "
-                          "`ckptctl pack` with --force", code="NOT_COMMITTED")
+        raise FormatError(url, "pack is not committed (no manifest: a pack write did not "
+                          "finish)", code="NOT_COMMITTED")
     elif fmt in ("composite", "safetensors", "torch"):
         ck = composite.read_folder(store, files)
     else:
+        refuse_if_several(url, files)  # a run folder: "holds 3 checkpoints", exit 2
         shown = ", ".join(list(files)[:5])
         raise UnsupportedFormatError(url, "no checkpoint format recognised (expected DCP "
                                      ".metadata, *.safetensors or *.pt/*.bin files; found "
@@ -190,3 +184,141 @@ def resolve_step(ck: Checkpoint, url: str, *, read_step: bool = True) -> None:
     step = step_from_name(url)
     if step is not None:
         ck.step, ck.info["step_source"] = step, "name"
+
+
+# ------------------------------------------------------------------ grouping a listing
+
+def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
+    """Group a recursive listing into checkpoints: folders that hold a format's files,
+    folders of another framework's layout (one checkpoint each, as its framework sees
+    it: a DeepSpeed tag folder, a universal checkpoint with its ``zero/`` tree, a
+    Megatron ``iter_NNNNNNN`` folder, an Orbax step folder), and standalone torch.save
+    files. Key: the checkpoint's path relative to the root (``ls``, ``gc``, ``rm`` and
+    ``--force`` all group with it).
+
+    >>> sorted(group_checkpoints({"a/.metadata": 1, "a/__0_0.distcp": 5, "b.pt": 3,
+    ...        "ds/latest": 1, "ds/global_step5/mp_rank_00_model_states.pt": 4,
+    ...        "u/mp_rank_00_model_states.pt": 4, "u/zero/w/fp32.pt": 4}))
+    ['a', 'b.pt', 'ds/global_step5', 'u']
+    """
+    by_dir: dict[str, dict[str, int]] = {}
+    for rel, size in files.items():
+        d, base = posixpath.split(rel)
+        by_dir.setdefault(d, {})[base] = size
+    anchors = {a for d, own in by_dir.items() if (a := foreign.anchor(d, set(own))) is not None}
+    if "" in anchors:  # the root itself is one (a tag folder, a universal checkpoint)
+        return {"": dict(files)}
+    found: dict[str, dict[str, int]] = {}
+    folders: set[str] = set()  # checkpoint folders other than the root: files added below
+
+    def inside_one(d: str) -> bool:  # below a checkpoint folder found already (sorted first)
+        p = posixpath.dirname(d)
+        while p:
+            if p in found:
+                return True
+            p = posixpath.dirname(p)
+        return False
+
+    def take(d: str) -> None:
+        if d:
+            found[d] = {}
+            folders.add(d)
+        else:
+            found[d] = dict(files)
+
+    for d in sorted(set(by_dir) | anchors):
+        if d and inside_one(d):
+            continue
+        own = by_dir.get(d, {})
+        if d in anchors:
+            take(d)
+            continue
+        fmt = detect_format(own)
+        if fmt == "safetensors" and MANIFEST not in own and WRITING_MARKER not in own \
+                and not _one_model(own):  # files no loader reads as one: each its own
+            for f in sorted(own):
+                if f.endswith(".safetensors") or torchsave.is_torch_file(f):
+                    found[posixpath.join(d, f)] = {posixpath.join(d, f): own[f]}
+        elif fmt in ("dcp", "safetensors", "composite", "pack") \
+                or (fmt is None and MANIFEST in own) \
+                or WRITING_MARKER in own:  # an unfinished ckptctl write is listed incomplete
+            take(d)
+        elif fmt == "torch":
+            if any(_HF_BIN.match(f) for f in own):
+                take(d)
+            else:
+                for f in own:
+                    if torchsave.is_torch_file(f):
+                        found[posixpath.join(d, f)] = {posixpath.join(d, f): own[f]}
+    if folders:  # each file to the one folder above it that is a checkpoint (no nesting)
+        for rel, size in files.items():
+            p = posixpath.dirname(rel)
+            while p:
+                if p in folders:
+                    found[p][rel] = size
+                    break
+                p = posixpath.dirname(p)
+    return found
+
+
+_HF_BIN = re.compile(r"^pytorch_model(-\d+-of-\d+)?\.bin$")
+
+
+def _one_model(own: dict[str, int]) -> bool:
+    """Do a folder's safetensors (and torch.save) files make up one checkpoint, as the
+    folder reader plans it (:func:`~ckptctl.formats.composite.plan_folder`)? A folder of
+    ``model.safetensors`` and an unrelated ``x.pt`` does not: ``ls`` lists each file.
+
+    >>> _one_model({"model.safetensors": 1, "config.json": 1}), _one_model({"model.safetensors": 1, "x.pt": 1})
+    (True, False)
+    """
+    from .composite import plan_folder
+
+    try:
+        plan_folder({f: n for f, n in own.items() if "/" not in f})
+    except UnsupportedFormatError:
+        return False
+    return True
+
+
+def refuse_if_several(url: str, files: dict[str, int]) -> None:
+    """For a folder whose own files make no checkpoint: raise
+    :class:`~ckptctl.errors.UsageError` (exit 2) when its sub-folders hold checkpoints,
+    as ``ls`` groups them ("run1/: holds 3 checkpoints (step-10, step-20, step-30), not
+    one; ..."; the error's ``checkpoints`` lists their names), or the refusal by name
+    (exit 3) when every one of them is another framework's layout. Otherwise nothing.
+
+    >>> refuse_if_several("run1", {"step-1/.metadata": 1, "step-2/.metadata": 1})
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: run1/: holds 2 checkpoints (step-1, step-2), not one; name one (`ckptctl ls run1/` lists them)
+    """
+    groups = group_checkpoints(files)
+    if not groups or "" in groups:
+        return
+    names = sorted(groups, key=natural_key)
+    kinds = set()
+    for rel in names:
+        g = groups[rel]
+        listing = {posixpath.basename(rel): g[rel]} if rel in g else \
+            {k[len(rel) + 1:]: v for k, v in g.items()}
+        kinds.add(foreign.recognise(listing))
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    where = url.rstrip("/") + "/"
+    if None not in kinds:  # a folder of another framework's checkpoints
+        raise foreign.not_read(url, f"{' / '.join(sorted(kinds))} (a folder of {len(names)}: {shown})")
+    raise several(where, names)
+
+
+def several(where: str, names: list[str], also: str | None = None) -> UsageError:
+    """The usage error of a folder ``where`` that holds the checkpoints ``names``, not one;
+    ``also``: another command that takes the folder as it is (``verify --all``).
+
+    >>> str(several("run1/", ["a", "b"], "ckptctl verify run1/ --all"))
+    'run1/: holds 2 checkpoints (a, b), not one; name one, or `ckptctl verify run1/ --all`'
+    """
+    shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+    hint = f", or `{also}`" if also else f" (`ckptctl ls {where}` lists them)"
+    e = UsageError(f"holds {len(names)} checkpoint{'s' if len(names) != 1 else ''} ({shown}), "
+                   f"not one; name one{hint}", where)
+    e.checkpoints = list(names)
+    return e

@@ -37,7 +37,8 @@ _EXPORTS = {
     **dict.fromkeys(["SealResult", "seal"], "seal"),
     **dict.fromkeys(["checkpoint_state"], "state"),
     **dict.fromkeys(["TierCheck", "TiersResult", "check_tiers"], "tiers"),
-    **dict.fromkeys(["PROBLEM_CODES", "Problem", "VerifyResult", "verify"], "verify"),
+    **dict.fromkeys(["PROBLEM_CODES", "Problem", "VerifyAllResult", "VerifyResult", "verify",
+                     "verify_all"], "verify"),
     **dict.fromkeys(["MeasuredPlan", "WatchPass", "Watcher", "lower_priority",
                      "measured_plan", "read_status", "state_dir"], "watch"),
 }

@@ -443,13 +443,13 @@ def gather_verify(group: Group, checker, first_problem: int, share: dict,
         return
     group.clear(place)
     _raise_first_failure(docs, error)
-    from .verify import Problem
-
     del checker.problems[first_problem:]
     nf: dict[str, dict] = {}
     files, crc, tensors = set(), set(), set()
     for d in docs:
-        checker.problems.extend(Problem(**p) for p in d["problems"])
+        for p in d["problems"]:
+            checker.add(p["code"], p["message"], path=p["path"], entry=p["entry"],
+                        severity=p["severity"])
         for name, c in d["non_finite"].items():
             acc = nf.setdefault(name, {"nan": 0, "inf": 0})
             acc["nan"] += c["nan"]

@@ -100,58 +100,20 @@ def iso_utc(ts: float | None) -> str | None:
 
 def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
     """Group a recursive listing into checkpoints: folders that hold a format's files,
-    and standalone torch.save files. Key: the checkpoint's path relative to the root.
+    folders of another framework's layout (one checkpoint each, refused by name when
+    read: a DeepSpeed tag folder, an Orbax step folder), and standalone torch.save files.
+    Key: the checkpoint's path relative to the root
+    (:func:`ckptctl.formats.detect.group_checkpoints`).
 
     >>> sorted(group_checkpoints({"a/.metadata": 1, "a/__0_0.distcp": 5, "b.pt": 3}))
     ['a', 'b.pt']
+    >>> sorted(group_checkpoints({"ds/global_step5/mp_rank_00_model_states.pt": 3,
+    ...                           "ds/global_step5/zero_pp_rank_0_mp_rank_00_optim_states.pt": 3}))
+    ['ds/global_step5']
     """
-    by_dir: dict[str, dict[str, int]] = {}
-    for rel, size in files.items():
-        d, base = posixpath.split(rel)
-        by_dir.setdefault(d, {})[base] = size
-    found: dict[str, dict[str, int]] = {}
-    folders: set[str] = set()  # checkpoint folders other than the root: files added below
+    from ..formats.detect import group_checkpoints as group
 
-    def inside_one(d: str) -> bool:  # below a checkpoint folder found already (sorted first)
-        p = posixpath.dirname(d)
-        while p:
-            if p in found:
-                return True
-            p = posixpath.dirname(p)
-        return False
-
-    def take(d: str) -> None:
-        if d:
-            found[d] = {}
-            folders.add(d)
-        else:
-            found[d] = dict(files)
-
-    for d in sorted(by_dir):
-        if d and inside_one(d):
-            continue
-        own = by_dir[d]
-        fmt = detect_format(own)
-        if fmt in ("dcp", "safetensors", "composite", "pack") \
-                or (fmt is None and MANIFEST in own) \
-                or WRITING_MARKER in own:  # an unfinished ckptctl write is listed incomplete
-            take(d)
-        elif fmt == "torch":
-            if any(_HF_BIN.match(f) for f in own):
-                take(d)
-            else:
-                for f in own:
-                    if is_torch_file(f):
-                        found[posixpath.join(d, f)] = {posixpath.join(d, f): own[f]}
-    if folders:  # each file to the one folder above it that is a checkpoint (no nesting)
-        for rel, size in files.items():
-            p = posixpath.dirname(rel)
-            while p:
-                if p in folders:
-                    found[p][rel] = size
-                    break
-                p = posixpath.dirname(p)
-    return found
+    return group(files)
 
 
 def _located(store, rel: str, group: dict[str, int]) -> tuple:
@@ -200,8 +162,12 @@ def listing_state(files: dict[str, int], where: str) -> tuple[StateReport, bool]
 
 def _lone_file(store, root: str, storage_options: dict | None) -> tuple:
     """(store, files) when ``root`` lists nothing: a missing place is an error (exit 3),
-    an empty folder or bucket lists no checkpoint, a file is listed from its folder."""
+    an empty folder, bucket or S3 prefix (in a bucket that exists) lists no checkpoint,
+    a file is listed from its folder."""
     if not store.exists():
+        if store.is_s3 and "/" in store.root.strip("/") \
+                and open_store("s3://" + store.root.split("/", 1)[0], storage_options).exists():
+            return store, {}  # S3 has no folders: a prefix with nothing under it is empty
         raise NotFoundError(root, "no such file or directory")
     if store.isdir():
         return store, {}

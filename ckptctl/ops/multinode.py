@@ -27,6 +27,7 @@ import time
 
 from ..errors import CkptError
 from ..formats.manifest import FileEntry, Manifest, is_control_file, is_temp_name
+from .policy import COMMITTED
 
 #: The env variables launchers set to a node's rank, each with its node count (torchrun,
 #: generic launchers, Slurm).
@@ -192,14 +193,8 @@ def node_pass(w, p) -> list:
 def _done(w, name: str, src: str, dst: str, nbytes: int, seconds: float) -> None:
     """Record a part's copy in the status (``done``, ``rates``) as a hop is recorded, for
     ``watch --status``'s rates and plan figures."""
-    from .watch import DONE_KEPT, iso_time
-
-    if nbytes and seconds > 0:
-        w.status.setdefault("rates", {})[f"{src}->{dst}"] = round(nbytes / seconds)
-    done = w.status.setdefault("done", [])
-    done.append({"name": name, "src": src, "dst": dst, "action": "part", "bytes": nbytes,
-                 "seconds": round(seconds, 3), "time": iso_time(w.clock())})
-    del done[:-DONE_KEPT]
+    w.record_done(name, src, dst, "part", nbytes, round(seconds, 3),
+                  rate=nbytes / seconds if nbytes and seconds > 0 else None)
 
 
 def holds_part(shared_row, part: dict | None, hot_row, options: dict | None) -> bool:
@@ -270,4 +265,3 @@ def retain_node(w, p, listings: list) -> None:
     w._trim(p, key, hot_tier, protect, set(hot), policy, grace=0)
 
 
-from .watch import COMMITTED  # noqa: E402  (watch imports this module lazily)

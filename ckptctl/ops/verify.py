@@ -11,6 +11,8 @@
   same bytes (``check_finite``); a deterministic sample of files (``sample``).
 
 Problem codes are stable (see :data:`PROBLEM_CODES`); ``ok`` is False on any problem.
+Another framework's layout is refused by name (exit 3), a run's root given as one
+checkpoint is a usage error (exit 2); :func:`verify_all` verifies each checkpoint under it.
 
 >>> r = verify("ckpt/", level="quick")                      # doctest: +SKIP
 >>> r.ok, [p.code for p in r.problems]                      # doctest: +SKIP
@@ -25,7 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .._deps import MissingDependencyError
-from ..errors import CkptError, ProblemCode, StorageError, UsageError
+from ..errors import (CkptError, ProblemCode, StorageError, UnsupportedFormatError,
+                      UsageError)
 from ..formats import dcp
 from ..formats.detect import locate, open_checkpoint, resolve_step
 from ..formats.manifest import (MANIFEST, WRITING_MARKER, is_control_file, is_temp_name,
@@ -81,6 +84,35 @@ class VerifyResult:
         return asdict(self)
 
 
+def base_unrestorable(ps, storage_options: dict | None = None) -> str | None:
+    """Why the delta pack ``ps`` (a :class:`~ckptctl.formats.pack.PackStore`) cannot be
+    restored from here, or None when its base chain is all there and committed (or it
+    has no base). I/O failures raise (exit 3): they say nothing about the pack.
+
+    >>> base_unrestorable(open_pack_url("cold/step-80"))       # doctest: +SKIP
+    'its base xxh3-128:9f.. (cold/step-60) is incomplete: NOT_COMMITTED: ...'
+    """
+    from ..formats.pack import join_url
+
+    base = ps.index.base
+    if not base or not ps.index.needs_base:  # no chunk decodes against it
+        return None
+    where = join_url(ps.url, base["url"]) if base.get("url") else "no recorded place"
+    try:
+        bstore = ps._base_store()
+    except StorageError:
+        raise
+    except CkptError as e:
+        return f"its base {base['id']} ({where}) cannot be used: {e.message}"
+    errors = [p for p in verify(bstore.url, storage_options, level="quick",
+                                uploads=False).problems if p.severity == "error"]
+    if errors:  # what ls would call it (ops/state.py): incomplete or corrupt, not committed
+        p = errors[0]
+        return (f"its base {base['id']} ({bstore.url}) is not committed: {p.code}: "
+                f"{p.path + ': ' if p.path else ''}{p.message}")
+    return None
+
+
 class _Checker:
     def __init__(self, url, storage_options, level, require, check_finite, sample, workers,
                  on_bytes, located=None, checkpoint=None, uploads=True, on_total=None,
@@ -109,8 +141,10 @@ class _Checker:
         located = pack_view(self.located or locate(self.url, self.opts), self.opts)
         store, files, single = located
         self.store, self.files = store, files
+        from .ownership import is_control_temp
+
         for rel in files:
-            if is_temp_name(rel):
+            if is_temp_name(rel) and not is_control_temp(rel):  # a marker never published
                 self.add("STRAY_TEMP", "leftover temporary file", path=store.display(rel),
                          severity="warning")
         if self.uploads:
@@ -150,8 +184,14 @@ class _Checker:
                                                      read_step=False, located=located)
             self.result.format = self.ck.format
             self.result.step = self.ck.step
-        except (StorageError, MissingDependencyError):
-            raise  # exit 3, not a finding about the checkpoint
+        except (StorageError, MissingDependencyError, UsageError):
+            raise  # exit 3 (2 for a run folder), not a finding about the checkpoint
+        except UnsupportedFormatError as e:
+            if getattr(e, "framework", None) or not any(p.severity == "error"
+                                                        for p in self.problems):
+                raise  # another framework's layout, or nothing ckptctl reads: exit 3
+            self.add_error(e)  # a sealed checkpoint whose data files went missing
+            return
         except CkptError as e:
             self.add_error(e)
             return
@@ -161,7 +201,19 @@ class _Checker:
                     self.add("MISSING_FILE", "referenced by .metadata but missing",
                              path=store.display(rel))
         self._extents_inside_files()
+        self._base_chain()
         self._step_entry()
+
+    def _base_chain(self):
+        """A delta pack is restorable only while its base chain is: MISSING_BASE names
+        the first base that is not there, not committed, or not the one it was made
+        against (one listing and manifest read per base, no tensor data)."""
+        from ..formats.pack import PackStore
+
+        reason = base_unrestorable(self.store, self.opts) \
+            if isinstance(self.store, PackStore) else None
+        if reason:
+            self.add("MISSING_BASE", reason, path=self.store.display(MANIFEST))
 
     def _step_entry(self):
         """The step as ``inspect`` reports it: a step entry wins over the name (for DCP one
@@ -342,14 +394,12 @@ class _Checker:
                 and o.extent.encoding in ("torch_zip", "torch_zip+zstd") and self._inside(o.extent)]
 
         def obj(o):
-            from ..formats.safe_pickle import scan_weights_only
-            from ..formats.tensorio import extent_payload
+            from ..formats.tensorio import scan_object
 
             if o.extent.length > OBJECT_SCAN_LIMIT:
                 return None
             try:
-                pkl = extent_payload(ck, o.extent, record="data.pkl", expect=OBJECT_SCAN_LIMIT)
-                scan_weights_only(bytes(pkl), where=self.store.display(o.extent.file))
+                scan_object(ck, o, expect=OBJECT_SCAN_LIMIT)
             except StorageError:
                 raise
             except CkptError as e:
@@ -629,6 +679,17 @@ def _or_none(fn, *args):
         return None
 
 
+def _check_args(level: str, sample: float | None) -> None:
+    """The usage errors of verify's level and sample (exit 2), before anything is read."""
+    if level not in LEVELS:
+        raise UsageError(f"unknown level {level!r} (choose from {', '.join(LEVELS)})")
+    if sample is not None and not 0 < sample <= 1:
+        raise UsageError("--sample takes a fraction in (0, 1]")
+    if sample is not None and level != "full":  # only the full level reads file contents
+        raise UsageError(f"--sample needs --level full (it picks the files whose contents "
+                         f"are read; --level {level} reads none)")
+
+
 def verify(url: str, storage_options: dict | None = None, *, level: str = "structure",
            require: str | list[str] | None = None, check_finite: bool = False,
            sample: float | None = None, workers: int = 4,
@@ -648,12 +709,81 @@ def verify(url: str, storage_options: dict | None = None, *, level: str = "struc
     torchrun/srun): the full level's files are split over the processes and rank 0's
     result holds every finding (``bytes_read``: all processes together).
     """
-    if level not in LEVELS:
-        raise UsageError(f"unknown level {level!r} (choose from {', '.join(LEVELS)})")
-    if sample is not None and not 0 < sample <= 1:
-        raise UsageError("--sample takes a fraction in (0, 1]")
-    if sample is not None and level != "full":  # only the full level reads file contents
-        raise UsageError(f"--sample needs --level full (it picks the files whose contents "
-                         f"are read; --level {level} reads none)")
+    _check_args(level, sample)
     return _Checker(url, storage_options, level, require, check_finite, sample, workers,
                     on_bytes, located, checkpoint, uploads, on_total, group=group).run()
+
+
+@dataclass
+class CheckpointVerify:
+    """One checkpoint of a ``verify ROOT --all``: its name under ROOT (as ``ls`` shows
+    it), verify's result, and ``error`` ({code, exit_code, message, path}) when verify
+    could not read it at all (another framework's layout...): then ``result.ok`` is
+    False and it has no problems of its own."""
+
+    name: str
+    result: VerifyResult
+    error: dict | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, **self.result.to_dict(), "error": self.error}
+
+
+@dataclass
+class VerifyAllResult:
+    """``verify ROOT --all``: every checkpoint ``ls`` finds under ROOT, in its order;
+    ``ok`` when each one is (an empty root is ok)."""
+
+    ok: bool
+    level: str
+    url: str
+    checkpoints: list[CheckpointVerify] = field(default_factory=list)
+    bytes_read: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        return {"ok": self.ok, "level": self.level, "url": self.url,
+                "num_checkpoints": len(self.checkpoints),
+                "num_ok": sum(c.result.ok for c in self.checkpoints),
+                "checkpoints": [c.to_dict() for c in self.checkpoints],
+                "bytes_read": self.bytes_read, "seconds": self.seconds}
+
+
+def verify_all(root: str, storage_options: dict | None = None, *, level: str = "structure",
+               require: str | list[str] | None = None, check_finite: bool = False,
+               sample: float | None = None, workers: int = 4,
+               on_bytes: Callable[[int], None] | None = None) -> VerifyAllResult:
+    """Verify each checkpoint under ``root`` as ``ls`` groups them (one listing of the
+    root, then :func:`verify` of each at ``level``), like ``restic check`` of a
+    repository. A checkpoint verify cannot read (another framework's layout, a file of
+    no format ckptctl knows) is reported with its error, not ok; an I/O failure stops
+    the run (exit 3): it says nothing about the checkpoints.
+
+    >>> r = verify_all("runs/llama", level="quick")              # doctest: +SKIP
+    >>> r.ok, [(c.name, c.result.ok) for c in r.checkpoints]     # doctest: +SKIP
+    (False, [('step-100', True), ('step-200', False)])
+    """
+    from .._deps import MissingDependencyError
+    from .ls import ls
+
+    _check_args(level, sample)
+    t0 = time.monotonic()
+    rows = ls(root, storage_options, check="listing").checkpoints
+    out = VerifyAllResult(True, level, root.rstrip("/") if len(root) > 1 else root)
+    for row in rows:
+        try:
+            r = verify(row.url, storage_options, level=level, require=require,
+                       check_finite=check_finite, sample=sample, workers=workers,
+                       on_bytes=on_bytes, located=row.located)
+            out.checkpoints.append(CheckpointVerify(row.name, r))
+        except (StorageError, MissingDependencyError):
+            raise
+        except CkptError as e:
+            out.checkpoints.append(CheckpointVerify(
+                row.name, VerifyResult(False, level, row.url, row.format, False, row.step),
+                {"code": str(e.code), "exit_code": e.exit_code, "message": str(e),
+                 "path": e.path}))
+    out.ok = all(c.result.ok for c in out.checkpoints)
+    out.bytes_read = sum(c.result.bytes_read for c in out.checkpoints)
+    out.seconds = round(time.monotonic() - t0, 3)
+    return out

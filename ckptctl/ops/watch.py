@@ -17,8 +17,10 @@ half-done one. A pass (:meth:`Watcher.run_once`):
    error never turns into a deletion.
 
 What it keeps beside that, under ``$XDG_CACHE_HOME/ckptctl/watch/<hash of the config
-path>/``: ``events.jsonl`` (one JSON line per action), ``status.json`` (queued, in
-flight, done, failed, rates) and ``lock`` (one watch per node and config).
+path>/``: ``events.jsonl`` (one JSON line per action) and ``status.json`` (queued, in
+flight, done, failed, rates). Its lock is keyed on what it acts on, the first tier
+(:func:`lock_path`, in ``ckptctl/watch-locks/``): one watch per node and first tier,
+whatever config file names it.
 
 >>> w = Watcher(config, settle=0)                    # doctest: +SKIP
 >>> p = w.run_once(); p.drained, [h.name for h in p.promoted]   # doctest: +SKIP
@@ -37,8 +39,8 @@ from dataclasses import asdict, dataclass, field
 
 from ..config import Config, Tier
 from ..errors import CkptError, Finding, NotFoundError, StorageError, UsageError
+from .policy import COMMITTED
 
-COMMITTED = ("sealed", "complete")
 #: Backoff of a failing step: BASE, 2*BASE, 4*BASE... up to MAX seconds.
 BACKOFF_BASE = 30.0
 BACKOFF_MAX = 3600.0
@@ -148,6 +150,89 @@ def read_status(config_path: str, node_rank: int | None = None) -> dict | None:
     except (OSError, ValueError) as e:
         raise StorageError(path,
                            f"cannot read the watch status ({e})") from None
+
+
+def lock_path(config: Config, node_rank: int | None = None) -> str:
+    """The lock of a watch of ``config``: ``$XDG_CACHE_HOME/ckptctl/watch-locks/<16 hex
+    digits>.lock`` (``-node<N>`` for ``--node-rank N``), the digits a hash of the first
+    tier (the tier a watch seals, drains and trims, and the node's own) with its URL
+    normalised: a local path resolved (symlinks too), a remote URL with its endpoint. Any
+    copy of a config names the same lock; so does any config with the same first tier.
+
+    >>> a = lock_path(Config("a.toml", (Tier("hot", "/nvme/run1"), Tier("warm", "/lustre/r"))))
+    >>> a == lock_path(Config("/etc/copy.toml", (Tier("nvme", "/nvme/run1/"),)))
+    True
+    >>> a == lock_path(Config("a.toml", (Tier("hot", "/nvme/run2"),)))
+    False
+    """
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    digest = hashlib.sha256(_tier_identity(config.tiers[0]).encode()).hexdigest()[:16]
+    return os.path.join(base, "ckptctl", "watch-locks", digest
+                        + ("" if node_rank is None else f"-node{node_rank}") + ".lock")
+
+
+def _tier_identity(tier: Tier) -> str:
+    url = tier.url
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    if "://" not in url:
+        return "file://" + os.path.realpath(url)
+    scheme, rest = url.split("://", 1)
+    opts = tier.storage_options or {}
+    endpoint = (opts.get("endpoint_url") or (opts.get("client_kwargs") or {}).get("endpoint_url")
+                or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+                or "")
+    scheme = "s3" if scheme in ("s3", "s3a") else scheme
+    return f"{scheme}://{rest.strip('/')} at {str(endpoint).rstrip('/')}"
+
+
+def lock_holder(config: Config, node_rank: int | None = None) -> dict | None:
+    """The watch that holds, or last held, the lock of ``config``'s first tier
+    (:func:`lock_path`): ``{"pid", "config", "tier", "url"}`` as it wrote them when it took
+    the lock (``{}`` before it has); None when no watch ever took it. Read without locking
+    (a probe by lock would make a starting watch see it held); whether that watch still
+    runs is the lock's to say (:meth:`Watcher.lock`).
+
+    >>> lock_holder(Config("c.toml", (Tier("hot", "/no/such/tier"),))) is None
+    True
+    """
+    path = lock_path(config, node_rank)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(64 << 10)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StorageError(path, f"cannot read the watch lock ({e.strerror})") from None
+    try:
+        doc = json.loads(data or b"{}")
+    except ValueError:
+        return {}  # torn, or written by an older ckptctl (a bare pid)
+    return doc if isinstance(doc, dict) else {}
+
+
+def watch_status(config: Config, node_rank: int | None = None) -> tuple[Config, dict | None]:
+    """What ``watch --status`` shows: the status of the watch that holds, or last held,
+    the lock of ``config``'s first tier (:func:`lock_holder`), even when it was started
+    from a copy of this config file, with the config it ran (this one when that file
+    cannot be read); else the status of the last watch of this config file (None: none
+    has run).
+
+    >>> watch_status(Config("/no/such.toml", (Tier("hot", "/no/such/tier"),)))[1] is None
+    True
+    """
+    from ..config import load_config
+
+    held = lock_holder(config, node_rank) or {}
+    other = held.get("config")
+    if isinstance(other, str) and other != os.path.abspath(config.path):
+        doc = read_status(other, node_rank)
+        if doc is not None:
+            try:
+                return load_config(other), doc
+            except CkptError:
+                return Config(other, config.tiers), doc
+    return config, read_status(config.path, node_rank)
 
 
 @dataclass
@@ -265,8 +350,10 @@ class Watcher:
     # -- lock, status, events ----------------------------------------------------------
 
     def lock(self) -> None:
-        """Take the lock of this config (flock, released when the process ends or
-        :meth:`unlock`); a UsageError (exit 2) when another watch holds it.
+        """Take the lock of this watch's first tier (:func:`lock_path`; flock, released
+        when the process ends or :meth:`unlock`) and write who holds it; a UsageError
+        (exit 2) naming the running watch (pid, config) when another holds it, whatever
+        config file it was started with.
 
         >>> w.lock()                                      # doctest: +SKIP
         """
@@ -274,19 +361,29 @@ class Watcher:
 
         if self._lock_fd is not None:
             return
-        os.makedirs(self.dir, exist_ok=True)
-        path = os.path.join(self.dir, "lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        path = lock_path(self.config, self.node_rank)
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise StorageError(path, f"cannot create the watch lock ({e.strerror})") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             os.close(fd)
             if e.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise UsageError(f"another watch is running for {self.config.path} (lock "
-                                 f"{path} is held: one watch per node and config)") from None
+                held = lock_holder(self.config, self.node_rank) or {}
+                tier = self.config.tiers[0]
+                raise UsageError(
+                    f"another watch (pid {held.get('pid', '?')}, config "
+                    f"{held.get('config', '?')}) is draining tier {tier.name!r} "
+                    f"({tier.url}): one watch per node and first tier (lock {path} is held)",
+                    self.config.path) from None
             raise StorageError(path, f"cannot lock ({e.strerror})") from None
+        tier = self.config.tiers[0]
         os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
+        os.write(fd, (json.dumps({"pid": os.getpid(), "config": os.path.abspath(
+            self.config.path), "tier": tier.name, "url": tier.url}) + "\n").encode())
         self._lock_fd = fd
 
     def unlock(self) -> None:
@@ -538,17 +635,27 @@ class Watcher:
         self._ok(key)
         hop = Hop(name, src.name, dst.name, r.action, r.bytes, r.bytes_sent, r.seconds)
         p.promoted.append(hop)
-        pair = f"{src.name}->{dst.name}"
-        if hop.bytes_sent and hop.seconds > 0:
-            self.status.setdefault("rates", {})[pair] = round(hop.rate)
-        done = self.status.setdefault("done", [])
-        done.append({"name": name, "src": src.name, "dst": dst.name, "action": r.action,
-                     "bytes": r.bytes, "seconds": r.seconds, "time": iso_time(self.clock())})
-        del done[:-DONE_KEPT]
+        self.record_done(name, src.name, dst.name, r.action, r.bytes, r.seconds,
+                         rate=hop.rate if hop.bytes_sent and hop.seconds > 0 else None)
         self._event("promoted", name=name, src=src.name, dst=dst.name, action=r.action,
                     bytes=r.bytes, bytes_sent=r.bytes_sent, seconds=r.seconds,
                     bytes_per_second=round(hop.rate), pack=dst.pack)
         return True
+
+    def record_done(self, name: str, src: str, dst: str, action: str, nbytes: int,
+                    seconds: float, *, rate: float | None) -> None:
+        """A finished hop (or multi-node part) in the status: ``done`` (the last
+        :data:`DONE_KEPT`) and the hop's measured ``rate`` (bytes/s) when there is one,
+        for ``watch --status``'s rates and plan figures.
+
+        >>> w.record_done("step-20", "hot", "warm", "promoted", 10, 0.5, rate=20.0)  # doctest: +SKIP
+        """
+        if rate:
+            self.status.setdefault("rates", {})[f"{src}->{dst}"] = round(rate)
+        done = self.status.setdefault("done", [])
+        done.append({"name": name, "src": src, "dst": dst, "action": action,
+                     "bytes": nbytes, "seconds": seconds, "time": iso_time(self.clock())})
+        del done[:-DONE_KEPT]
 
     def _retain(self, p: WatchPass, i: int, listings: list) -> None:
         """Apply tier i's keep, with the "not yet in NEXT" rail."""

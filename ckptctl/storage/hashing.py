@@ -13,10 +13,12 @@ files hash in parallel from the caller's pool); remote files stream through fssp
 from __future__ import annotations
 
 import hashlib
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import UsageError
-from .store import Store
+
+if TYPE_CHECKING:  # store.py imports this module: only the type, never at run time
+    from .store import Store
 
 ALGORITHMS = ("xxh3-128", "sha256")
 BLOCK = 8 << 20  # 8 MiB: large enough for the hashers, small enough to keep memory flat
