@@ -13,6 +13,10 @@ from .progress import byte_progress
 MaxMemOpt = typer.Option("1GiB", "--max-memory", metavar="SIZE", callback=check_size,
                          help="Memory budget for tensor data (1GiB, 512MB, ...).")
 WorkersOpt = typer.Option(4, "--workers", min=1, help="Parallel readers/writers.")
+DropOpt = typer.Option(None, "--drop", metavar="NAME",
+                       help="Leave out the entries NAME matches (a glob; repeatable), e.g. "
+                            "an object entry the safe loader refuses (a conversion never "
+                            "carries one).")
 
 
 @app.command()
@@ -34,6 +38,7 @@ def reshard(
     max_memory: str = MaxMemOpt,
     workers: int = WorkersOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan, write nothing."),
+    drop: Optional[List[str]] = DropOpt,
     force: bool = ForceOpt,
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -43,14 +48,16 @@ def reshard(
 ):
     """Write SRC as a DCP checkpoint for a new mesh: rank r's DTensor shards in rank r's file.
 
-    Rules are validated before a byte is written (a rule that does not fit a tensor exits 2).
-    Data first; .metadata and the manifest last.
+    Rules are validated before a byte is written (a rule that does not fit a tensor exits 2);
+    so are object entries: one the safe loader refuses (what seal refuses) exits 1 unless
+    left out with --drop. Data first; .metadata and the manifest last.
 
     \b
     EXAMPLES
       ckptctl reshard ckpt/ out/ --mesh dp=2,tp=2 --rules llama --dry-run
       ckptctl reshard ckpt/ out/ --mesh dp=8,tp=4 --rules rules.toml
       ckptctl reshard s3://runs/llama/step-12000 /nvme/step-12000 --world-size 8
+      ckptctl reshard ckpt/ out/ --world-size 8 --drop 'extra.*'
       ckptctl reshard s3://a/run/step-9 s3://b/run/step-9 --world-size 8 \\
           --src-option endpoint_url=http://a:9000 --dst-option endpoint_url=http://b:9000
     """
@@ -65,7 +72,7 @@ def reshard(
                        world_size=world_size, max_memory=max_memory, workers=workers,
                        dry_run=dry_run, force=force, storage_options=src_place.storage_options,
                        dst_storage_options=dst_place.storage_options,
-                       on_bytes=cb, on_total=cb and cb.total, group=group)
+                       on_bytes=cb, on_total=cb and cb.total, group=group, drop=drop)
     if json:
         emit_json(group.tag(r.to_dict()))
         return
@@ -73,6 +80,7 @@ def reshard(
         _say_share(group, r.bytes, r.files, r.seconds, quiet)
         return
     say(f"rules: {r.rules['note']}", quiet=quiet)
+    _say_dropped(r.dropped, quiet)
     if dry_run:
         rep = r.rules
         print_table(["rule", "placements", "tensors", "e.g."],
@@ -99,6 +107,13 @@ def _say_share(group, nbytes: int, files: list[str], seconds: float, quiet: bool
     what = f"{human_bytes(nbytes)} in {', '.join(files)}" if files else "no file to write"
     say(f"rank {group.rank}/{group.world_size}: {what} ({seconds:.2f}s); rank 0 commits",
         quiet=quiet)
+
+
+def _say_dropped(names: list[str], quiet: bool) -> None:
+    """What --drop left out."""
+    if names:
+        say(f"left out (--drop): {', '.join(names[:8])}"
+            + (f", ... ({len(names)} in all)" if len(names) > 8 else ""), quiet=quiet)
 
 
 def _first(names: list[str], count: int) -> str:
@@ -131,6 +146,7 @@ def consolidate(
                                        help="safetensors: largest file before a new shard."),
     max_memory: str = MaxMemOpt,
     workers: int = WorkersOpt,
+    drop: Optional[List[str]] = DropOpt,
     force: bool = ForceOpt,
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -145,7 +161,8 @@ def consolidate(
     after what they hold (--only optim writes optim.safetensors). When it holds the
     model, the source folder's config.json, generation_config.json and tokenizer files
     (tokenizer*.json, special_tokens_map.json, vocab/merges, *.model) come along, listed
-    in the manifest like the weights.
+    in the manifest like the weights. An object entry the safe loader refuses (what seal
+    refuses) is never carried: it exits 1 unless left out with --drop.
 
     \b
     EXAMPLES
@@ -168,13 +185,14 @@ def consolidate(
                            storage_options=src_place.storage_options,
                            dst_storage_options=dst_place.storage_options,
                            on_bytes=cb, on_total=cb and cb.total, include=include,
-                           group=group)
+                           group=group, drop=drop)
     if json:
         emit_json(group.tag(r.to_dict()))
         return
     if group.rank != 0:
         _say_share(group, r.bytes, r.files, r.seconds, quiet)
         return
+    _say_dropped(r.dropped, quiet)
     say(f"{r.dst}: {r.to}, {plural(r.num_tensors, 'tensor')}, {plural(r.num_objects, 'object')}"
         f"; {human_bytes(r.bytes)} in {', '.join(r.files)} ({r.seconds:.2f}s)", quiet=quiet)
     if r.side_files:

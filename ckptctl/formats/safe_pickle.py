@@ -181,6 +181,7 @@ _SAFE_BUILTINS = {("collections", "OrderedDict"): dict, ("collections", "Counter
 def scan_weights_only(data: bytes, *, where: str = "") -> None:
     """Refuse (UnsafeInputError) a pickle naming any global that torch's ``weights_only``
     loader would refuse; nothing in it runs (every allowed global is an inert stand-in).
+    The error's ``global_name`` is the refused global (``posix.system``).
 
     >>> import pickle, collections
     >>> scan_weights_only(pickle.dumps(collections.OrderedDict(a=1)))
@@ -188,10 +189,12 @@ def scan_weights_only(data: bytes, *, where: str = "") -> None:
     Traceback (most recent call last):
     ckptctl.errors.UnsafeInputError: pickle names builtins.print, which the weights-only loader refuses
     """
+    refused: list[str] = []
 
     class _Scanner(pickle.Unpickler):
         def find_class(self, module, name):
             if not _weights_only_allowed(module, name):
+                refused.append(f"{module}.{name}")
                 raise UnsafeInputError(None, f"pickle names {module}.{name}, which the "
                                        "weights-only loader refuses")
             return _SAFE_BUILTINS.get((module, name)) or _Inert()
@@ -202,7 +205,9 @@ def scan_weights_only(data: bytes, *, where: str = "") -> None:
     try:
         _Scanner(io.BytesIO(data)).load()
     except UnsafeInputError as e:
-        raise UnsafeInputError(where or None, e.message) from None
+        err = UnsafeInputError(where or None, e.message)
+        err.global_name = refused[-1] if refused else None
+        raise err from None
     except RecursionError:
         raise FormatError(where or None, "pickle nests too deeply") from None
     except Exception as e:  # noqa: BLE001 - malformed pickle

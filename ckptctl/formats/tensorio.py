@@ -18,7 +18,7 @@ import numpy as np
 
 from ..errors import FormatError
 from ..model import Checkpoint, Chunk, DType, Extent, ObjectEntry, TensorEntry
-from .safe_pickle import loads_primitive
+from .safe_pickle import loads_primitive, scan_weights_only
 from .torchzip import (TAIL_GUESS, StoredTensor, ZipEntry, central_directory,
                        local_data_offset, parse_tensor_pickle, payload_entry, payload_span)
 
@@ -277,44 +277,52 @@ def chunk_bytes(ck: Checkpoint, t: TensorEntry, c: Chunk) -> memoryview:
 
 class _Cursors:
     """Open zstd chunk streams, so row blocks asked in order decompress each chunk once
-    (a bounded LRU; a block asked out of order restarts that chunk)."""
+    (a bounded LRU of idle streams; a block asked before every idle stream's position
+    starts a new one). A stream is taken out while it is read and put back after, so
+    readers of one chunk at different places (the ranks of a reshard) each keep their
+    own and never share one."""
 
     MAX = 8
 
     def __init__(self):
-        import collections
-
         self.lock = threading.Lock()
-        self.open: "collections.OrderedDict[Extent, tuple[threading.Lock, object]]" = \
-            collections.OrderedDict()
+        self.idle: list[tuple[Extent, object]] = []  # least recently used first
+
+    def _take(self, ext: Extent, start: int):
+        """The idle stream of ``ext`` nearest before ``start`` (taken out), or None."""
+        with self.lock:
+            best = None
+            for i, (e, z) in enumerate(self.idle):
+                if e == ext and z.pos <= start and (best is None or z.pos > self.idle[best][1].pos):
+                    best = i
+            return None if best is None else self.idle.pop(best)[1]
+
+    def _put(self, ext: Extent, z) -> None:
+        with self.lock:
+            self.idle.append((ext, z))
+            evicted, self.idle = self.idle[:-self.MAX], self.idle[-self.MAX:]
+        for _, old in evicted:  # idle: nobody reads them
+            old.close()
 
     def read(self, ck: Checkpoint, t: TensorEntry, c: Chunk, start: int, n: int) -> bytes:
-        with self.lock:
-            slot = self.open.pop(c.extent, None) or (threading.Lock(), None)
-            self.open[c.extent] = slot
-            while len(self.open) > self.MAX:  # dropped, not closed: it may be in use
-                self.open.popitem(last=False)
-        lock, z = slot
-        with lock:
-            if z is None or z.pos > start:
-                if z is not None:
-                    z.close()
+        z = self._take(c.extent, start)
+        try:
+            if z is None:
                 z = open_zstd_chunk(ck, t, c)
             if not z.stored.is_row_major():
                 z.close()
-                with self.lock:
-                    self.open.pop(c.extent, None)
+                z = None
                 return bytes(chunk_bytes(ck, t, c)[start:start + n])
             z.skip(start - z.pos)
             data = z.read(n)
-            done = z.pos >= z.nbytes
-            with self.lock:
-                if done:
-                    self.open.pop(c.extent, None)
-                elif c.extent in self.open:
-                    self.open[c.extent] = (lock, z)
-            if done:
+        except BaseException:
+            if z is not None:
                 z.close()
+            raise
+        if z.pos >= z.nbytes:
+            z.close()
+        else:
+            self._put(c.extent, z)
         if len(data) != n:
             raise FormatError(ck.store.display(c.extent.file), f"{t.name}: zstd chunk is short",
                               code="MALFORMED_CHUNK")
@@ -456,3 +464,28 @@ def read_object(ck: Checkpoint, entry: ObjectEntry) -> object:
     return loads_primitive(bytes(data), where=f"{ck.store.display(entry.extent.file)}: {entry.name}")
 
 
+#: Encodings of object entries held as ``torch.save`` zips (DCP bytes entries): their
+#: ``data.pkl`` is what :func:`scan_object` scans.
+ZIPPED_OBJECTS = ("torch_zip", "torch_zip+zstd")
+
+
+def scan_object(ck, entry, *, zipped: bytes | None = None, expect: int | None = None) -> None:
+    """Refuse (:class:`UnsafeInputError`, ``global_name`` set) an object entry whose pickle
+    names a global torch's weights-only loader refuses: the one check verify (hence seal)
+    and every conversion make of an object's bytes; nothing in them runs. Objects that are
+    not ``torch.save`` zips (plain values, loaded already with ``weights_only``) pass.
+
+    ``zipped``: the entry's zip, already in memory (nothing is read); ``expect``: a bound
+    on its decompressed size.
+
+    >>> scan_object(ck, ck.objects["extra.payload"])            # doctest: +SKIP
+    Traceback (most recent call last):
+    ckptctl.errors.UnsafeInputError: ckpt/__0_0.distcp: pickle names posix.system, which the weights-only loader refuses
+    """
+    ext = entry.extent
+    if ext is None or ext.encoding not in ZIPPED_OBJECTS:
+        return
+    where = ck.store.display(ext.file)
+    pkl = (zip_record(zipped, "data.pkl", where) if zipped is not None
+           else extent_payload(ck, ext, record="data.pkl", expect=expect))
+    scan_weights_only(bytes(pkl), where=where)

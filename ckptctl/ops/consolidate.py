@@ -24,11 +24,11 @@ from ..model import DTYPES, Checkpoint, dtype_from_name
 from ..storage import HashingWriter, Store, open_store, split_url
 from .closure import classify, parse_parts
 from .commit import commit_written
-from .copier import (BlockStream, copy_to_dcp, dtype_converter, object_payload,
-                     stream_depth)
+from .copier import (BlockStream, check_objects, copy_to_dcp, dtype_converter,
+                     object_payload, stream_depth)
 from .inspect import few_names
 from .output import OutputDir
-from .planner import consolidation_plan
+from .planner import consolidation_plan, dropped
 from .reshard import DEFAULT_MAX_MEMORY, parse_size
 
 TARGETS = ("safetensors", "torch", "dcp")
@@ -47,6 +47,7 @@ class ConsolidateResult:
     manifest_id: str | None = None
     renamed: dict[str, str] = field(default_factory=dict)
     side_files: list[str] = field(default_factory=list)  # carried from SRC (in ``files`` too)
+    dropped: list[str] = field(default_factory=list)  # entries left out (``drop``)
     num_files: int = field(init=False, default=0)
 
     def __post_init__(self):
@@ -149,8 +150,13 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                 dst_storage_options: dict | None = None, force: bool = False,
                 on_bytes: Callable[[int], None] | None = None,
                 on_total: Callable[[int], None] | None = None,
-                include: list[str] | None = None, group=None) -> ConsolidateResult:
+                include: list[str] | None = None, group=None,
+                drop: list[str] | None = None) -> ConsolidateResult:
     """Write every selected entry of ``src`` whole, into ``dst`` in format ``to``.
+
+    ``only`` selects state parts; ``drop`` globs leave entries out. An object entry the
+    safe loader refuses (the check seal makes) is refused before a byte is written
+    (:class:`~ckptctl.errors.Finding`, exit 1) unless dropped.
 
     ``dst`` must be new or empty (a new file name for ``--to torch x.pt``); ``force``
     replaces what is there. ``--to safetensors`` names its files after what they hold
@@ -172,8 +178,14 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     ck = open_checkpoint(src, storage_options)
     ck.store.cache_small_files(ck.files)
     tensors, objects = _select(ck, only)
+    gone = dropped(ck, drop)
+    if gone:
+        left_out = set(gone)
+        tensors = [n for n in tensors if n not in left_out]
+        objects = [n for n in objects if n not in left_out]
     if not tensors and not objects:
-        raise UsageError(f"nothing selected in {src} (--only {only})")
+        given = ([f"--only {only}"] if only else []) + [f"--drop {g}" for g in drop or ()]
+        raise UsageError(f"nothing selected in {src} ({' '.join(given)})")
     if to == "safetensors" and objects:  # safetensors holds tensors only: never drop silently
         shown = ", ".join(objects[:4]) + (", ..." if len(objects) > 4 else "")
         raise UsageError(f"the selection holds {len(objects)} non-tensor entr"
@@ -192,6 +204,7 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                          f"only; --to {to} carries none")
     side = side_files(ck, include or [], defaults=to == "safetensors"
                       and output_stem(tensors) == "model")
+    check_objects(ck, objects, workers=workers)  # before a byte is written
     plan = consolidation_plan(ck, only=set(tensors) | set(objects))
     if on_total:  # the tensor bytes the plan writes (on_bytes also counts headers, objects)
         on_total(sum(DTYPES[conv_to].nbytes(math.prod(c.sizes))
@@ -205,7 +218,8 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                            group=group)
         return ConsolidateResult(src, dst, to, sorted(done.hashes), len(tensors),
                                  len(objects), done.bytes_written,
-                                 round(time.monotonic() - t0, 3), done.manifest_id)
+                                 round(time.monotonic() - t0, 3), done.manifest_id,
+                                 dropped=gone)
     by_name = {tc.name: tc for tc in plan.chunks}
 
     def convert_for(tc):
@@ -227,7 +241,7 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
         raise UsageError("--strip-prefix makes two entries collide")
     if to == "torch" and group.rank != 0:  # one file: rank 0's; the others have no share
         return ConsolidateResult(src, dst, to, [], len(tensors), len(objects), 0,
-                                 round(time.monotonic() - t0, 3))
+                                 round(time.monotonic() - t0, 3), dropped=gone)
     if to == "torch":
         out = _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype,
                            strip_prefix, on_bytes, force)
@@ -240,7 +254,7 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                              sum(n for _, n in out.hashes.values()),
                              round(time.monotonic() - t0, 3), mid,
                              {k: v for k, v in renamed.items() if k != v},
-                             side if to == "safetensors" else [])
+                             side if to == "safetensors" else [], gone)
 
 
 @dataclass

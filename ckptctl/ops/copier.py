@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from ..errors import FormatError
+from ..errors import Finding, FormatError, ProblemCode, UnsafeInputError
 from ..formats.dcp_write import DcpWriter
 from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows, read_rows_into
 from ..model import Checkpoint
@@ -234,9 +234,74 @@ def dtype_converter(src: str, dst: str) -> Converter | None:
 # --------------------------------------------------------------------------- executor
 
 
+def carry_check(ck: Checkpoint, name: str, *, zipped: bytes | None = None) -> None:
+    """Refuse to carry object ``name`` into an output when the safe loader refuses it
+    (:func:`~ckptctl.formats.tensorio.scan_object`, the check seal makes):
+    :class:`~ckptctl.errors.Finding` (exit 1, ``UNSAFE_INPUT``) naming the entry and the
+    global, and how to leave it out. ``zipped``: its bytes, already read.
+
+    >>> carry_check(ck, "extra.payload")                    # doctest: +SKIP
+    Traceback (most recent call last):
+    ckptctl.errors.Finding: ckpt/__0_0.distcp: object entry 'extra.payload' names posix.system (the safe loader refuses it); pass --drop 'extra.payload' to leave it out
+    """
+    from ..formats.tensorio import scan_object
+
+    hint = f"pass --drop {quote_arg(name)} to leave it out"
+    try:
+        scan_object(ck, ck.objects[name], zipped=zipped)
+    except UnsafeInputError as e:
+        what = f"names {e.global_name}" if getattr(e, "global_name", None) else e.message
+        raise Finding(e.path, f"object entry {name!r} {what} (the safe loader refuses it); "
+                      f"{hint}", code=ProblemCode.UNSAFE_INPUT) from None
+    except FormatError as e:
+        raise FormatError(e.path, f"object entry {name!r}: {e.message}; {hint}",
+                          code=e.code) from None
+
+
+def check_objects(ck: Checkpoint, names, *, workers: int = 4) -> None:
+    """:func:`carry_check` of every object in ``names``, before a conversion writes a
+    byte: an object the safe loader refuses is never carried (nor sealed) unless dropped.
+
+    >>> check_objects(ck, plan.objects, workers=4)          # doctest: +SKIP
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(name: str) -> tuple[str, Finding] | None:
+        try:
+            carry_check(ck, name)
+        except Finding as e:
+            return name, e
+        return None
+
+    names = sorted(names)
+    if not names:
+        return
+    with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:
+        refused = [hit for hit in pool.map(one, names) if hit is not None]
+    if len(refused) == 1:
+        raise refused[0][1]
+    if refused:
+        from .inspect import few_names
+
+        first, rest = refused[0][1], [n for n, _ in refused[1:]]
+        raise Finding(first.path, f"{first.message}; {len(rest)} more object "
+                      f"entr{'y' if len(rest) == 1 else 'ies'} the safe loader refuses: "
+                      f"{few_names(rest)}", code=ProblemCode.UNSAFE_INPUT)
+
+
+def quote_arg(text: str) -> str:
+    """``text`` in single quotes, as a shell takes it (for the hints in messages).
+
+    >>> print(quote_arg("extra.payload"), quote_arg("it's"))
+    'extra.payload' 'it'"'"'s'
+    """
+    return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
 def object_payload(ck: Checkpoint, name: str) -> bytes:
     """A DCP bytes entry for object ``name``: the source's own torch.save zip when it is
-    DCP (decompressed), else ``torch.save`` of the value (already loaded safely)."""
+    DCP (decompressed), else ``torch.save`` of the value (already loaded safely). A zip
+    the safe loader refuses is never handed out (:func:`carry_check`)."""
     o = ck.objects[name]
     if o.extent is not None and o.extent.encoding in ("torch_zip", "torch_zip+zstd"):
         from ..formats.tensorio import decompress_bounded
@@ -247,6 +312,7 @@ def object_payload(ck: Checkpoint, name: str) -> bytes:
             raise FormatError(ck.store.display(o.extent.file), f"{name}: truncated")
         if o.extent.encoding == "torch_zip+zstd":
             blob = decompress_bounded(blob, ck.store.display(o.extent.file), 1 << 30)
+        carry_check(ck, name, zipped=blob)
         return blob
     import torch
 

@@ -24,7 +24,7 @@ from typing import Mapping
 
 from ..bulk import paused_gc
 from ..boxes import BoxIndex, numel, relative
-from ..errors import FormatError, ProblemCode
+from ..errors import FormatError, ProblemCode, UsageError
 from ..layout import Mesh, Placement, Rules, local_box
 from ..model import Checkpoint, Chunk, DType, TensorEntry
 from ..parts import classify
@@ -200,6 +200,33 @@ def rule_report(ck: Checkpoint, rules: Rules, plan: Plan, *, examples: int = 3) 
                   len(hits[i]), tuple(hits[i][:examples]))
         for i, r in enumerate(rules.rules))
     return RuleReport(matched, len(replicated), tuple(replicated[:examples]))
+
+
+def dropped(ck: Checkpoint, patterns) -> list[str]:
+    """The entries of ``ck`` (tensors and objects) that ``--drop`` globs name, sorted; a
+    glob that names no entry is refused (:class:`~ckptctl.errors.UsageError`, exit 2).
+
+    >>> from ckptctl.model import Checkpoint, ObjectEntry
+    >>> ck = Checkpoint("x", "dcp", objects={n: ObjectEntry(n) for n in ["extra.a", "extra.b", "step"]})
+    >>> dropped(ck, ["extra.*"]), dropped(ck, [])
+    (['extra.a', 'extra.b'], [])
+    >>> dropped(ck, ["nope"])
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: --drop 'nope' names no entry of x (entries: extra.a, extra.b, step)
+    """
+    import fnmatch
+
+    names = [*ck.tensors, *ck.objects]
+    out: set[str] = set()
+    for g in patterns or ():
+        hit = [n for n in names if fnmatch.fnmatchcase(n, g)]
+        if not hit:
+            from .inspect import few_names
+
+            raise UsageError(f"--drop {g!r} names no entry of {ck.root} (entries: "
+                             f"{few_names(names)})")
+        out.update(hit)
+    return sorted(out)
 
 
 def consolidation_plan(ck: Checkpoint, *, only: set[str] | None = None) -> Plan:

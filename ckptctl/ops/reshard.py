@@ -19,8 +19,8 @@ from .._deps import check_torch
 from ..errors import UsageError
 from ..formats.detect import open_checkpoint
 from ..layout import Rules, load_rules, parse_mesh, preset
-from .copier import copy_to_dcp
-from .planner import make_plan, rule_report
+from .copier import check_objects, copy_to_dcp
+from .planner import dropped, make_plan, rule_report
 
 DEFAULT_MAX_MEMORY = 1 << 30
 
@@ -44,6 +44,8 @@ class ReshardResult:
     #: or file, ``chosen``: given, default or world-size), what each rule matched
     #: (``matched``), and how many tensors stay replicated (``replicated``, with examples)
     rules: dict = field(default_factory=dict)
+    #: entries left out (``drop``): none of them is in the output
+    dropped: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,9 +125,13 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
             workers: int = 4, dry_run: bool = False, storage_options: dict | None = None,
             dst_storage_options: dict | None = None, force: bool = False,
             on_bytes: Callable[[int], None] | None = None,
-            on_total: Callable[[int], None] | None = None, group=None) -> ReshardResult:
+            on_total: Callable[[int], None] | None = None, group=None,
+            drop: list[str] | None = None) -> ReshardResult:
     """Reshard ``src`` (any format) into a DCP checkpoint at ``dst`` for the target mesh.
 
+    Every entry is carried but those ``drop`` globs name; an object entry the safe loader
+    refuses (the check seal makes) is refused before a byte is written
+    (:class:`~ckptctl.errors.Finding`, exit 1) unless dropped.
     ``dst`` must be new or empty; ``force`` replaces what it holds. ``on_bytes(n)``: n more
     bytes written; ``on_total(n)``: called once before writing with the plan's data bytes.
     ``group``: a :class:`~ckptctl.ops.distributed.Group` (``Group.from_env()`` under
@@ -138,9 +144,13 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
     ck.store.cache_small_files(ck.files)
     from ..formats.composite import refuse_opaque
 
-    refuse_opaque(ck, verb="reshard", hint="reshard carries every entry: first write the parts "
-                  "it can carry with consolidate --to dcp --only model,optim")
-    plan = make_plan(ck, r)
+    gone = dropped(ck, drop)
+    keep = None if not gone else set(ck.tensors).union(ck.objects).difference(gone)
+    refuse_opaque(ck, None if keep is None else keep.intersection(ck.objects), verb="reshard",
+                  hint="reshard carries every entry: first write the parts it can carry with "
+                  "consolidate --to dcp --only model,optim, or leave {them} out with --drop")
+    plan = make_plan(ck, r, only=keep)
+    check_objects(ck, plan.objects, workers=workers)  # before a byte is written
     report = rule_report(ck, r, plan)
     max_memory = parse_size(max_memory)
     ranks = plan.rank_summary(ck)
@@ -148,7 +158,8 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
                            len(plan.chunks), sum(x["write_bytes"] for x in ranks), 0, 0.0,
                            ranks=ranks, placements=dict(plan.placements),
                            rules={**rules_origin(r, mesh=mesh, rules=rules,
-                                                 world_size=world_size), **asdict(report)})
+                                                 world_size=world_size), **asdict(report)},
+                           dropped=gone)
     if not dry_run:
         if on_total:
             on_total(sum(x["write_bytes"] for x in ranks))
