@@ -2,7 +2,8 @@
 
 Load with ``pytest_plugins = ["fixtures_s3"]`` in the root conftest (or ``-p fixtures_s3``).
 
-- ``rclone_s3`` / ``moto_s3``: one server per session (per xdist worker), stopped at the end.
+- ``rclone_s3`` / ``moto_s3``: one server per session (per xdist worker), stopped at the end;
+  ``rclone_s3_readonly``: a read-only server over ``rclone_s3``'s data.
 - ``s3_bucket`` / ``moto_bucket``: a fresh, uniquely named bucket per test, with the server's
   request log reset once the bucket exists.
 - every test starts and ends with s3fs's instance cache cleared.
@@ -70,6 +71,15 @@ def _server(start):
 @pytest.fixture(scope="session")
 def rclone_s3(tmp_path_factory):
     srv = _server(lambda: start_rclone(tmp_path_factory.mktemp("rclone-s3")))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def rclone_s3_readonly(rclone_s3):
+    """A second, read-only ``rclone serve s3`` over the same root as ``rclone_s3``: what a
+    test uploads to an ``s3_bucket`` is readable here, and every write here fails."""
+    srv = _server(lambda: start_rclone(rclone_s3.root, read_only=True))
     yield srv
     srv.stop()
 

@@ -362,14 +362,19 @@ def _start(kind: str, argv_for_port, root: Path | None, timeout: float) -> S3Ser
     raise RuntimeError(f"{kind} S3 server failed to start: {error}")
 
 
-def start_rclone(root_dir, timeout: float = 30) -> S3Server:
-    """``rclone serve s3`` over ``root_dir`` (created if missing)."""
+def start_rclone(root_dir, timeout: float = 30, *, read_only: bool = False) -> S3Server:
+    """``rclone serve s3`` over ``root_dir`` (created if missing). ``read_only``: the server
+    refuses every write (``--read-only``: PUT and DELETE answer 500 InternalError), like a
+    bucket behind read-only keys; serve the root of a writable server to see its data."""
     root = Path(root_dir)
     root.mkdir(parents=True, exist_ok=True)
     rclone = _binary("rclone")
+    # read-only: another server writes the data, so nothing may be served from a cached
+    # listing (rclone's VFS keeps folder listings 5 minutes by default)
+    flags = ["--read-only", "--dir-cache-time", "0s"] if read_only else []
     return _start("rclone", lambda port: [
-        rclone, "serve", "s3", "--addr", f"127.0.0.1:{port}", "--auth-key", f"{KEY},{SECRET}",
-        "--config", "/dev/null", str(root)], root, timeout)
+        rclone, "serve", "s3", *flags, "--addr", f"127.0.0.1:{port}", "--auth-key",
+        f"{KEY},{SECRET}", "--config", "/dev/null", str(root)], root, timeout)
 
 
 def start_moto(timeout: float = 60) -> S3Server:

@@ -16,6 +16,12 @@ BaseOpt = typer.Option(None, "--base", metavar="BASE",
                             "tensors are stored as references, changed ones as XOR deltas.")
 WorkersOpt = typer.Option(None, "--workers", min=1, metavar="N",
                           help="Encoding/decoding threads (default: every core).")
+SealSourceOpt = typer.Option(
+    None, "--seal-source/--no-seal-source",
+    help="An unsealed SRC is hashed first; --seal-source also writes its manifest into it "
+         "(failing if it cannot), --no-seal-source never writes into it. Default: seal it "
+         "when it takes the write, else (read-only) leave it as it is; DST gets the "
+         "manifest either way.")
 
 
 @app.command()
@@ -31,6 +37,7 @@ def pack(
     max_chain: int = typer.Option(8, "--max-chain", min=0, max=64, metavar="N",
                                   help="Longest chain of delta packs: when BASE is already N "
                                        "deep, a full pack is written instead (0: never delta)."),
+    seal_source: Optional[bool] = SealSourceOpt,
     force: bool = ForceOpt,
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -43,7 +50,8 @@ def pack(
 
     A pack reads like the checkpoint it holds (inspect, verify, ls, diff, consolidate,
     reshard take it as a source); `unpack` restores every file byte for byte. An
-    unsealed but complete SRC is sealed first. A delta pack records where its base was
+    unsealed but complete SRC is hashed first and sealed where it takes the write (a
+    read-only SRC is left untouched). A delta pack records where its base was
     (relative to the pack) and the base's id: readers find it there, or take --base.
 
     \b
@@ -67,7 +75,8 @@ def pack(
                     force=force, storage_options=src_place.storage_options,
                     dst_storage_options=dst_place.storage_options,
                     base_storage_options=base_place and base_place.storage_options,
-                    on_bytes=cb, on_total=cb and cb.total, group=group)
+                    on_bytes=cb, on_total=cb and cb.total, group=group,
+                    seal_source=seal_source)
     if json:
         emit_json(group.tag(r.to_dict()))
         return
@@ -78,6 +87,9 @@ def pack(
         return
     if r.full_reason:
         say(f"note: {r.full_reason}", quiet=quiet)
+    if r.source_unsealed:
+        say("note: SRC is not sealed and was left so; its manifest is in the pack only",
+            quiet=quiet)
     modes = ", ".join(f"{n} {m}" for m, n in r.chunks.items())
     say(f"{r.dst}: {human_bytes(r.bytes_in)} -> {human_bytes(r.bytes_out)} (ratio "
         f"{r.ratio:.2f}), {plural(sum(r.chunks.values()), 'chunk')} ({modes}), "

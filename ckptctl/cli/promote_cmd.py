@@ -8,6 +8,7 @@ import typer
 from .app import app
 from .common import (DstOpt, JsonOpt, QuietOpt, SrcOpt, StorageOpt, check_size, emit_json,
                      human_bytes, plural, resolve_place, say)
+from .pack_cmd import SealSourceOpt
 from .progress import byte_progress
 
 
@@ -33,10 +34,13 @@ def promote(
     pack: Optional[bool] = typer.Option(
         None, "--pack/--unpack", help="Store DST as a compressed delta pack (--pack) or as a "
         "plain checkpoint (--unpack: restores a pack). Default: DST tier's `pack` setting, "
-        "else SRC's form."),
+        "else SRC's form (a delta pack is restored: its base is not at DST)."),
     base: str = typer.Option("auto", "--base", metavar="auto|URL|none",
                              help="--pack: delta-encode against this checkpoint; auto: the "
-                                  "newest committed one already beside DST; none: a full pack."),
+                                  "newest committed one already beside DST (a delta pack SRC "
+                                  "whose base DST reaches is copied as it is); none: a full "
+                                  "pack, with no base."),
+    seal_source: Optional[bool] = SealSourceOpt,
     level: int = typer.Option(3, "--level", min=1, max=22, help="--pack: compression level."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
@@ -46,7 +50,11 @@ def promote(
 ):
     """Copy checkpoint SRC to DST: hashed while copying, data first, manifest last.
 
-    An unsealed but complete SRC is sealed first; an incomplete one is refused (exit 1).
+    An unsealed but complete SRC is hashed first, and sealed where it takes the write (a
+    read-only SRC is left untouched); an incomplete one is refused (exit 1). A delta pack
+    never lands where its base is not: to a plain place it is restored, to a pack place it
+    is copied only if DST reaches its base, else packed again. --delete-source keeps a
+    SRC the copy still needs.
     Files go in parallel, large ones in parallel parts, under one --bwlimit. Each file is
     published at DST only once its bytes match SRC's manifest, and DST is committed (POSIX:
     a hidden folder renamed into place; S3: the manifest as the last object) only after a
@@ -93,7 +101,7 @@ def promote(
                        workers=workers, part_size=parse_size(part_size),
                        delete_source=delete_source, dry_run=dry_run, pack=pack,
                        base=base_url, level=level, on_bytes=bar,
-                       on_total=bar and bar.total, group=group)
+                       on_total=bar and bar.total, group=group, seal_source=seal_source)
     if json:
         emit_json(group.tag(r.to_dict()))
         return
@@ -102,7 +110,7 @@ def promote(
             f"{human_bytes(r.bytes_sent)} ({r.seconds:.2f}s); rank 0 commits", quiet=quiet)
         return
     if r.action == "dry-run":
-        seal_note = "" if r.manifest_id else " (SRC is not sealed: a run seals it first)"
+        seal_note = "" if r.manifest_id else " (SRC is not sealed: a run hashes it first)"
         say(f"{r.dst}: would send {plural(len(r.to_send), 'file')}, "
             f"{human_bytes(r.bytes_to_send)} of {human_bytes(r.bytes)}"
             + (f"; {plural(r.files_skipped, 'file')} already there" if r.files_skipped else "")
@@ -118,6 +126,7 @@ def promote(
         say(f"{r.dst}: {plural(r.num_files, 'file')}, {human_bytes(r.bytes)}; {how}; wrote "
             f"{human_bytes(r.bytes_sent)} ({r.seconds:.2f}s)"
             + (f"; {p['full_reason']}" if p.get("full_reason") else "")
+            + (", SRC left unsealed" if r.source_unsealed else "")
             + ("; source removed" if r.deleted_source else ""), quiet=quiet)
         say(f"id {r.manifest_id}", quiet=quiet)
         return
@@ -130,6 +139,9 @@ def promote(
     say(f"{r.dst}: {plural(r.num_files, 'file')}, {human_bytes(r.bytes)}; sent "
         f"{human_bytes(r.bytes_sent)} at {human_bytes(int(r.rate))}/s{resumed} "
         f"({r.seconds:.2f}s)" + (", sealed SRC first" if r.sealed_source else "")
+        + (", SRC left unsealed (its manifest is at DST only)" if r.source_unsealed else "")
+        + (f"; delta pack, its base {r.pack['base_url']} reached from DST"
+           if r.pack and r.pack.get("carried") else "")
         + ("; server-side copy" if r.server_copy else "")
         + ("; source removed" if r.deleted_source else ""), quiet=quiet)
     say(f"id {r.manifest_id}", quiet=quiet)

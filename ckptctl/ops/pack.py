@@ -23,7 +23,7 @@ source's id.
 >>> hdr = json.dumps({"w": {"dtype": "F32", "shape": [1024], "data_offsets": [0, 4096]}}).encode()
 >>> _ = (d / "ck" / "model.safetensors").write_bytes(
 ...     struct.pack("<Q", len(hdr)) + hdr + bytes(range(256)) * 16)
->>> r = pack(str(d / "ck"), str(d / "p"), workers=1)   # seals ck first
+>>> r = pack(str(d / "ck"), str(d / "p"), workers=1)   # seals ck first (it takes writes)
 >>> r.chunks, r.sealed_source   # the JSON header and the manifest: zstd; the tensor: planes
 ({'planes': 1, 'zstd': 2}, True)
 >>> unpack(str(d / "p"), str(d / "out")).manifest_id == r.source_id
@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .. import __version__
-from ..errors import CkptError, Finding, FormatError, UsageError
+from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
 from ..formats.manifest import MANIFEST, FileEntry, Manifest
 from ..formats.pack import (DATA_FILE_SIZE, MAX_DEPTH, PACK_INDEX, ChunkRef, PackIndex,
                             PackStore, Segment, data_name, is_pack, open_pack, relative_url)
@@ -85,6 +85,9 @@ class PackResult:
     full_reason: str | None = None
     tensor_segments: int = 0
     base_segments: int = 0
+    #: the source had no manifest and was left without one (read-only, or
+    #: ``seal_source=False``): the manifest packed was computed here
+    source_unsealed: bool = False
 
     @property
     def rate(self) -> float:
@@ -273,30 +276,41 @@ def _plan_file(rel: str, size: int, spans: list, chunk: int,
 # --------------------------------------------------------------------------- sources
 
 
-def _source(src: str, options: dict | None, workers: int):
-    """(store, files, manifest, sealed by us) of a committed source checkpoint."""
+def _source(src: str, options: dict | None, workers: int, *, seal_source: bool | None = None,
+            source_manifest: bytes | None = None):
+    """(store, files, manifest, its bytes, sealed by us) of a complete source checkpoint.
+    An unsealed one is hashed (:func:`~.seal.seal_or_hash`) unless ``source_manifest``
+    (its manifest, computed by the caller) is given; left unsealed, its manifest exists
+    in memory only (``files`` has none) and is packed from there."""
     from ..formats.detect import locate
     from ..formats.pack import pack_view
 
-    store, files, single = pack_view(locate(src, options), options)
+    located = pack_view(locate(src, options), options)
+    store, files, single = located
     if single:
         raise UsageError("pack takes a checkpoint folder (a lone file has no place for its "
                          "manifest); put the file in its own folder", src)
     sealed = False
-    if MANIFEST not in files:
-        from .seal import seal
+    raw = source_manifest if MANIFEST not in files else None
+    if MANIFEST not in files and raw is None:
+        from .seal import seal_or_hash
 
-        seal(src, options, workers=workers)  # refuses an incomplete source (exit 1)
-        sealed = True
-        store, files, _ = pack_view(locate(src, options), options)
-    man = Manifest.parse(store.read(MANIFEST), store.display(MANIFEST))
+        man, sealed = seal_or_hash(src, options, seal_source=seal_source, workers=workers,
+                                   located=located)  # refuses an incomplete source (exit 1)
+        if sealed:
+            store, files, _ = pack_view(locate(src, options), options)
+        else:
+            raw = man.to_bytes()
+    if raw is None:
+        raw = store.read(MANIFEST)
+    man = Manifest.parse(raw, store.display(MANIFEST))
     for rel, rec in man.files.items():
         if files.get(rel) != rec.size:
             what = "missing" if rel not in files else f"{files[rel]} bytes, manifest says {rec.size}"
             raise Finding(store.display(rel), f"source does not match its manifest ({what}); "
                           "run `ckptctl verify` on it",
                           code="MISSING_FILE" if rel not in files else "SIZE_MISMATCH")
-    return store, files, man, sealed
+    return store, files, man, raw, sealed
 
 
 def _open_base(base: str, options: dict | None):
@@ -315,6 +329,28 @@ def _open_base(base: str, options: dict | None):
     return store, files, ck, man.checkpoint_id, depth
 
 
+def _note_dependant(base: str, base_options: dict | None, dst: str,
+                    dst_options: dict | None, base_id: str) -> None:
+    """A delta pack written outside its base's folder leaves a reference there
+    (:func:`~ckptctl.ops.ownership.record_dependant`), before any byte of the pack: gc
+    and rm of the base's root cannot list the pack, but they keep what it needs."""
+    from ..storage import open_store
+    from .ownership import record_dependant
+
+    bstore = open_store(base, base_options)
+    dstore = open_store(dst, dst_options)
+    if bstore.protocol == dstore.protocol and \
+            bstore.parent().url.rstrip("/") == dstore.parent().url.rstrip("/"):
+        return  # siblings: gc and rm of that root see the pack itself
+    try:
+        record_dependant(bstore, dstore.url, base_id)
+    except StorageError as e:
+        raise StorageError(bstore.url, f"cannot record in the base that the pack at "
+                           f"{dstore.url} needs it ({e.message}); gc there could remove it. "
+                           "Pack against a base beside DST, or pass --base none",
+                           code=e.code) from None
+
+
 # --------------------------------------------------------------------------- pack
 
 
@@ -323,11 +359,15 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
          storage_options: dict | None = None, dst_storage_options: dict | None = None,
          base_storage_options: dict | None = None,
          on_bytes: Callable[[int], None] | None = None,
-         on_total: Callable[[int], None] | None = None, group=None) -> PackResult:
+         on_total: Callable[[int], None] | None = None, group=None,
+         seal_source: bool | None = None, source_manifest: bytes | None = None) -> PackResult:
     """Write checkpoint ``src`` as a pack at ``dst`` (see the module docstring).
 
-    An unsealed but complete source is sealed first (an incomplete one is refused,
-    exit 1); every source file is hashed on the way and must match its manifest.
+    An unsealed but complete source is hashed first (an incomplete one is refused,
+    exit 1) and sealed where it takes the write (``seal_source``: True requires that,
+    False never writes into it; a read-only source is left as it is, its manifest packed
+    from memory; ``source_manifest``: that manifest's bytes, when the caller has them);
+    every source file is hashed on the way and must match its manifest.
     ``base``: a sealed earlier checkpoint (or pack) to delta-encode against; when the
     chain of bases would grow past ``max_chain`` a full pack is written instead
     (``full_reason`` says so). ``group``: a :class:`~ckptctl.ops.distributed.Group`
@@ -347,7 +387,13 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
         raise UsageError(f"--level must be 1..22, got {level}")
     if not 0 <= max_chain <= MAX_DEPTH:
         raise UsageError(f"--max-chain must be 0..{MAX_DEPTH}, got {max_chain}")
-    store, files, man, sealed = _source(src, storage_options, workers)
+    store, files, man, raw_man, sealed = _source(src, storage_options, workers,
+                                                 seal_source=seal_source,
+                                                 source_manifest=source_manifest)
+    if MANIFEST not in files and group is not None and group.active:
+        raise UsageError("the source is not sealed and was left so: under torchrun/srun every "
+                         "process must pack the same manifest; seal it first (`ckptctl seal "
+                         f"{src}`) or pack in one process", src)
     store.cache_small_files(files)  # remote: one GET per small file (no effect locally)
     ck = open_checkpoint(src, storage_options, read_step=False, located=(store, files, None))
     base_map = base_store = None
@@ -369,9 +415,11 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
                 for off, n, _, key in lst:
                     base_map.setdefault(key, (rel, off))
             base_info = {"id": bid, "depth": bdepth, "url": relative_url(dst, base)}
+            _note_dependant(base, base_storage_options if base_storage_options is not None
+                            else storage_options, dst, dst_storage_options, bid)
     names = sorted(man.files) + [MANIFEST]
     sizes = {rel: man.files[rel].size for rel in man.files}
-    sizes[MANIFEST] = files[MANIFEST]
+    sizes[MANIFEST] = len(raw_man)
     spans = tensor_spans(ck, store, sizes)
     chunk = packcodec.CHUNK_SIZE
     plans = {rel: _plan_file(rel, sizes[rel], spans.get(rel, []) if rel != MANIFEST else [],
@@ -388,7 +436,8 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
 
     def write() -> dict:
         return _encode_all(store, names, jobs, batches, data_of, unit_of, man, base_store,
-                           out, level, workers, on_bytes, packcodec, share=group.mine)
+                           out, level, workers, on_bytes, packcodec, share=group.mine,
+                           manifest_bytes=raw_man)
 
     def finish(reports: list[dict]):
         data_hashes: dict[str, tuple[str, int]] = {}
@@ -402,7 +451,7 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
         for i, (_, seg, _, _) in enumerate(jobs):  # in job order: each segment's chunks
             seg.chunks.append(ChunkRef(*refs[i]))
         idx = PackIndex.build(
-            _source_doc(store), man.id, chunk,
+            _source_doc(raw_man), man.id, chunk,
             {rel: (sizes[rel], [s for s, _ in plans[rel]]) for rel in names}, base_info)
         blob = idx.to_bytes()
         out.write_atomic(PACK_INDEX, blob)
@@ -433,6 +482,7 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
                           dict(sorted(done["chunks"].items())), len(names), len(hashes),
                           time.monotonic() - t0, sealed, full_reason, 0, 0)
     hashes, chunks, pman, pack_id = done
+    unsealed = MANIFEST not in files
     bytes_out = sum(n for _, n in hashes.values())
     bytes_in = sum(sizes.values())
     tensors = sum(1 for p in plans.values() for s, _ in p if s.kind == "tensor")
@@ -443,13 +493,13 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
                       round(bytes_in / (bytes_out + len(pman.to_bytes())), 4),
                       dict(sorted(chunks.items())), len(names),
                       sum(1 for r in hashes if r != PACK_INDEX), time.monotonic() - t0,
-                      sealed, full_reason, tensors, based)
+                      sealed, full_reason, tensors, based, unsealed)
 
 
-def _source_doc(store) -> dict:
+def _source_doc(raw: bytes) -> dict:
     import json
 
-    return json.loads(store.read(MANIFEST))
+    return json.loads(raw)
 
 
 def _jobs(names, plans, chunk_size: int) -> tuple[list[tuple], list[list[int]]]:
@@ -514,12 +564,14 @@ def data_layout(jobs, batches, sizes: dict[str, int],
 
 def _encode_all(store, names, jobs, batches, data_of, unit_of, man: Manifest, base_store,
                 out: OutputDir, level: int, workers: int, on_bytes, codec, *,
-                share=None) -> dict:
+                share=None, manifest_bytes: bytes | None = None) -> dict:
     """Encode the chunks of this process's data files (``share`` picks its units; None:
     all) on a thread pool (at most 2 x workers batches in flight), append the payloads to
     the data files :func:`data_layout` chose, in order; hash every source file on the way
     against the source manifest. Returns this share's report: ``hashes`` {data file:
-    [hash, size]}, ``chunks`` by mode, ``refs`` [[job index, ChunkRef fields...]]."""
+    [hash, size]}, ``chunks`` by mode, ``refs`` [[job index, ChunkRef fields...]].
+    ``manifest_bytes``: the source manifest, when it is no file of the source (a source
+    left unsealed)."""
     units = sorted(set(unit_of))
     mine_units = set(share(units) if share is not None else units)
     mine = [k for k, b in enumerate(batches) if unit_of[data_of[k]] in mine_units]
@@ -534,7 +586,8 @@ def _encode_all(store, names, jobs, batches, data_of, unit_of, man: Manifest, ba
         start = seg0.offset + pos0
         _, lseg, lpos, ln = jobs[batch[-1]]
         end = lseg.offset + lpos + ln
-        blob = store.read_range(rel, start, end)
+        blob = manifest_bytes[start:end] if rel == MANIFEST and manifest_bytes is not None \
+            else store.read_range(rel, start, end)
         if len(blob) != end - start:
             raise FormatError(store.display(rel), f"file ends before byte {end} (changed "
                               "while packing?)", code="SIZE_MISMATCH")

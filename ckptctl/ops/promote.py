@@ -1,8 +1,10 @@
 """``promote``: copy a checkpoint to another place (tier), verified, rate-limited,
 resumable, and committed last.
 
-1. The source is sealed first when it is complete but unsealed (an incomplete source is
-   refused, exit 1); its manifest says what must arrive, byte for byte.
+1. An unsealed but complete source is hashed first (an incomplete one is refused, exit
+   1) and sealed where it takes the write; a read-only one (an archive mount, a bucket
+   with read-only keys) is left as it is and its manifest goes to the destination only
+   (``seal_source``). The manifest says what must arrive, byte for byte.
 2. Files are copied in parallel, large ones in parallel parts, under one rate limit;
    every file is hashed while it is copied and published at the destination only when
    it matches the manifest (:mod:`ckptctl.storage.transfer`). Data files go before the
@@ -19,7 +21,12 @@ resumable, and committed last.
    ``~/.cache/ckptctl/promote`` for a remote one). ``dry_run`` says what a rerun would
    still send.
 5. ``delete_source`` removes the source only after the destination is committed and
-   checked, its commit markers first.
+   checked, its commit markers first, and only when the copy restores without it.
+6. A delta pack never lands where its base is not: to a plain place it is restored
+   (unpacked, its base chain read from where the pack records it); to a pack place it is
+   copied as it is only when its base is reachable from there, else packed again against
+   a checkpoint there or as a full pack (see :func:`promote`). Every mode reports the id
+   of the checkpoint stored (a pack's ``packs``, not the pack's own manifest id).
 
 >>> r = promote("/nvme/run1/step-200", "s3://bucket/run1/step-200", bwlimit="200MiB/s")  # doctest: +SKIP
 >>> r.action, r.bytes_sent == r.bytes                                  # doctest: +SKIP
@@ -34,7 +41,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from ..errors import CkptError, Finding, UsageError
+from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
 from ..formats.detect import locate
 from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest, is_control_file
 from ..storage import open_store
@@ -71,8 +78,12 @@ class PromoteResult:
     bytes_to_send: int = 0
     #: requests made, per side, as counted by the stores
     requests: dict = field(default_factory=dict)
-    #: ``--pack``: the base used (its id and URL), chain depth, ratio; None otherwise
+    #: ``--pack``: the base used (its id and URL), chain depth, ratio; a delta pack copied
+    #: as it is: its base (``carried``); None otherwise
     pack: dict | None = None
+    #: the source had no manifest and was left without one (read-only, or
+    #: ``seal_source=False``): its manifest was computed here and is at DST only
+    source_unsealed: bool = False
 
     @property
     def rate(self) -> float:
@@ -84,23 +95,31 @@ class PromoteResult:
         return doc
 
 
-def _source(src: str, options: dict | None, *, dry_run: bool, workers: int):
-    """(store, listing, manifest, its bytes, sealed by us) of the source checkpoint."""
+def _source(src: str, options: dict | None, *, dry_run: bool, workers: int,
+            seal_source: bool | None = None):
+    """(store, listing, manifest, its bytes, sealed by us) of the source checkpoint; an
+    unsealed one is hashed (:func:`~.seal.seal_or_hash`), its manifest then maybe only in
+    memory (the listing has no manifest)."""
     store, files, single = locate(src, options)
     if single:
         raise UsageError("promote takes a checkpoint folder (a lone file has no place for "
                          "its manifest); put the file in its own folder", src)
+    _not_held(store, files)
     sealed = False
     if MANIFEST not in files:
         if dry_run:
             return store, files, None, None, False
-        from .seal import seal
+        from .seal import seal_or_hash
 
-        seal(src, options, workers=workers)  # refuses an incomplete source (exit 1)
-        sealed = True
-        store, files, _ = locate(src, options)
-    raw = store.read(MANIFEST)
-    man = Manifest.parse(raw, store.display(MANIFEST))
+        man, sealed = seal_or_hash(src, options, seal_source=seal_source, workers=workers,
+                                   located=(store, files, single))  # incomplete: exit 1
+        if sealed:
+            store, files, _ = locate(src, options)
+    if MANIFEST in files:
+        raw = store.read(MANIFEST)
+        man = Manifest.parse(raw, store.display(MANIFEST))
+    else:  # left unsealed: the manifest exists here, in memory, and goes to DST only
+        raw = man.to_bytes()
     for rel, rec in man.files.items():
         if files.get(rel) != rec.size:
             what = "missing" if rel not in files else f"{files[rel]} bytes, manifest says {rec.size}"
@@ -108,6 +127,16 @@ def _source(src: str, options: dict | None, *, dry_run: bool, workers: int):
                           "run `ckptctl verify` on it", code="MISSING_FILE" if rel not in files
                           else "SIZE_MISMATCH")
     return store, files, man, raw, sealed
+
+
+def _not_held(store: Store, files: dict[str, int] | None = None) -> None:
+    """Refuse (NOT_COMMITTED) a source that a ckptctl writer or remover holds
+    (``.ckptctl-writing``): checked before the copy and again before the commit, so a copy
+    that raced a ``gc`` or ``rm`` of its source never commits."""
+    held = WRITING_MARKER in files if files is not None else store.exists(WRITING_MARKER)
+    if held:
+        raise FormatError(store.display(WRITING_MARKER), "a ckptctl writer or remover holds "
+                          "the source; nothing was committed", code="NOT_COMMITTED")
 
 
 def _same_content(files: dict[str, int], man: Manifest) -> bool:
@@ -126,6 +155,7 @@ class _Destination:
 
     def __init__(self, dst: str, options: dict | None, man: Manifest | None, src_id: str | None):
         self.final = open_store(dst, options)
+        self.options = options
         self.local = self.final.is_local
         self.man, self.src_id = man, src_id
         if self.local:
@@ -224,7 +254,8 @@ def promote(src: str, dst: str, src_options: dict | None = None,
             dry_run: bool = False, limiter: RateLimiter | None = None,
             pack: bool | None = None, base: str | None = "auto", level: int = 3,
             on_bytes: Callable[[int], None] | None = None,
-            on_total: Callable[[int], None] | None = None, group=None) -> PromoteResult:
+            on_total: Callable[[int], None] | None = None, group=None,
+            seal_source: bool | None = None) -> PromoteResult:
     """Copy the checkpoint at ``src`` to ``dst`` (see the module docstring).
 
     ``bwlimit`` (``"200MiB/s"``) or a shared ``limiter`` caps the bytes sent per second;
@@ -235,9 +266,21 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     ``pack``: True stores a plain source as a pack at ``dst`` (:func:`~.pack.pack`,
     against ``base``: ``"auto"`` is the newest committed checkpoint already beside
     ``dst``, None a full pack); False restores a pack source as a plain checkpoint
-    (:func:`~.pack.unpack`); None (default) keeps the source's form. Packing and
-    unpacking run through the pack writer: not rate-limited, and a rerun after a crash
-    starts that checkpoint afresh.
+    (:func:`~.pack.unpack`); None (default) keeps the source's form, except that a
+    delta pack is restored (it needs its base, which a plain place does not hold).
+    A pack source with ``pack=True``: a full pack is copied as it is; a delta pack is
+    copied as it is when ``base`` is ``"auto"`` and its recorded base is reachable from
+    ``dst`` (committed, by id: the chain is carried), else packed again, against
+    ``base`` (``"auto"``: the newest committed checkpoint beside ``dst``; None: a full
+    pack, with no base at all). Packing and unpacking run through the pack writer: not
+    rate-limited, and a rerun after a crash starts that checkpoint afresh.
+    ``delete_source`` never removes a source that the copy still needs (a pack against
+    it) or a copy that cannot be restored (Finding, exit 1; the copy stays).
+
+    ``seal_source``: for an unsealed source, True seals it first (a source that cannot
+    take the write fails), False never writes into it, None (default) seals it when it
+    takes the write and else leaves it as it is (``source_unsealed``); either way the
+    destination gets the manifest sealing would write.
 
     ``group``: a :class:`~ckptctl.ops.distributed.Group` (``Group.from_env()`` under
     torchrun/srun): rank 0 seals the source if needed and prepares DST, data file ``i``
@@ -255,23 +298,33 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     if part_size < (5 << 20):
         raise UsageError("--part-size must be at least 5MiB (the S3 minimum)")
     if group is not None and group.active and not dry_run and pack is None:
+        if _delta_pack(src, src_options):
+            raise UsageError("a delta pack is restored (unpacked) on its way to a plain "
+                             "place, which runs in one process: run it without "
+                             "torchrun/srun", src)
         return _promote_shared(group, src, dst, src_options, dst_options, bwlimit=bwlimit,
                                workers=workers, part_size=part_size,
                                delete_source=delete_source, on_bytes=on_bytes,
                                on_total=on_total, t0=t0)
     limiter = limiter or RateLimiter(parse_rate(bwlimit))
     sstore, sfiles, man, raw, sealed = _source(src, src_options, dry_run=dry_run,
-                                               workers=workers)
+                                               workers=workers, seal_source=seal_source)
     if delete_source and PIN_FILE in sfiles:  # said before a byte moves, not after
         raise Finding(sstore.url, "source is pinned; `ckptctl unpin` it or drop "
                       "--delete-source", code="FINDING")
     from ..formats.pack import is_pack
 
-    if pack is not None and man is not None and pack != is_pack(sfiles):
-        return _convert(src, dst, src_options, dst_options, pack=pack, base=base,
+    carried = None
+    if man is not None and is_pack(sfiles):  # how a pack goes (item: no base left behind)
+        mode, base, carried = _pack_route(sstore, sfiles, src, dst, dst_options, pack=pack,
+                                          base=base, delete_source=delete_source)
+    else:
+        mode = "pack" if pack and man is not None else "copy"
+    if mode != "copy":
+        return _convert(src, dst, src_options, dst_options, pack=mode == "pack", base=base,
                         level=level, workers=workers, delete_source=delete_source,
-                        dry_run=dry_run, sealed=sealed, man=man, sstore=sstore, sfiles=sfiles,
-                        on_bytes=on_bytes, on_total=on_total, t0=t0)
+                        dry_run=dry_run, sealed=sealed, man=man, raw=raw, sstore=sstore,
+                        sfiles=sfiles, on_bytes=on_bytes, on_total=on_total, t0=t0)
     if man is None:  # dry run of an unsealed source: what sealing would list
         from ..formats.manifest import is_temp_name
 
@@ -283,15 +336,16 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     d = _Destination(dst, dst_options, man, man.id)
     if _overlaps(sstore, d.final):
         raise UsageError(f"destination {d.final.url} overlaps the source {sstore.url}")
-    result = PromoteResult(sstore.url, d.final.url, "promoted", man.id, sealed,
-                           len(man.files), man.total_bytes)
+    result = PromoteResult(sstore.url, d.final.url, "promoted", man.checkpoint_id, sealed,
+                           len(man.files), man.total_bytes, pack=carried,
+                           source_unsealed=MANIFEST not in sfiles)
     state, present = d.state()
     if state == "committed":
         result.action = "up-to-date"
         if WRITING_MARKER in present and not dry_run:  # killed after the commit: finish it
             d.final.remove(WRITING_MARKER)
         if delete_source and not dry_run:
-            result.deleted_source = _delete_source(sstore, sfiles)
+            result.deleted_source = _delete_source(sstore, sfiles, d.final, dst_options)
         result.seconds = round(time.monotonic() - t0, 3)
         return result
     if state == "resume" and d.local and MANIFEST in present and not dry_run:
@@ -333,6 +387,7 @@ def promote(src: str, dst: str, src_options: dict | None = None,
                 result.parts_sent += fc.parts_sent
                 result.parts_resumed += fc.parts_resumed
         _check_landed(d.work, man)
+        _not_held(sstore)
         d.commit(raw, journal)
     finally:
         t.close()
@@ -403,7 +458,8 @@ def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwli
         sstore = locate(src, src_options)[0]
         d = _Destination(dst, dst_options, man, man.id)
         result = PromoteResult(sstore.url, d.final.url, "up-to-date" if go["done"] else
-                               "promoted", man.id, False, len(man.files), man.total_bytes)
+                               "promoted", man.checkpoint_id, False, len(man.files),
+                               man.total_bytes)
         if go["done"]:
             group.gather({"error": None}, place)
             result.seconds = round(time.monotonic() - t0, 3)
@@ -411,8 +467,9 @@ def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwli
         journal = Journal(f"{d.journal_path()}.rank{group.rank}", {"source": man.id})
         _adopt_published(journal, d.work.list_files() if d.work.exists() else {}, man)
     else:
-        result = PromoteResult(sstore.url, d.final.url, "promoted", man.id, sealed,
-                               len(man.files), man.total_bytes)
+        result = PromoteResult(sstore.url, d.final.url, "promoted", man.checkpoint_id, sealed,
+                               len(man.files), man.total_bytes,
+                               source_unsealed=MANIFEST not in sfiles)
         if on_total:
             on_total(man.total_bytes)
     sizes = {rel: f.size for rel, f in man.files.items()}
@@ -470,6 +527,7 @@ def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwli
         result.files_sent += counts["files_sent"] - before[0]
         result.bytes_sent += counts["bytes_sent"] - before[1]
         _check_landed(d.work, man)
+        _not_held(sstore)
         d.commit(raw, journal)
     finally:
         if r0:
@@ -481,7 +539,7 @@ def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwli
 def _finish(result: PromoteResult, sstore: Store, sfiles: dict[str, int], d: "_Destination",
             delete_source: bool, t0: float) -> PromoteResult:
     if delete_source:
-        result.deleted_source = _delete_source(sstore, sfiles)
+        result.deleted_source = _delete_source(sstore, sfiles, d.final, d.options)
     result.requests = {"source": _requests(sstore), "destination": _requests(d.work)}
     result.seconds = round(time.monotonic() - t0, 3)
     return result
@@ -489,7 +547,7 @@ def _finish(result: PromoteResult, sstore: Store, sfiles: dict[str, int], d: "_D
 
 def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, level: int,
              workers: int, delete_source: bool, dry_run: bool, sealed: bool, man: Manifest,
-             sstore: Store, sfiles: dict[str, int], on_bytes, on_total,
+             raw: bytes | None, sstore: Store, sfiles: dict[str, int], on_bytes, on_total,
              t0: float) -> PromoteResult:
     """``promote --pack`` of a plain source, or ``--unpack`` of a pack: the pack writer
     or reader does the copy; the same rails as a plain promote around it."""
@@ -502,7 +560,8 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
     if _overlaps(sstore, final):
         raise UsageError(f"destination {final.url} overlaps the source {sstore.url}")
     result = PromoteResult(sstore.url, final.url, "packed" if pack else "unpacked", want,
-                           sealed, len(man.files), man.total_bytes)
+                           sealed, len(man.files), man.total_bytes,
+                           source_unsealed=MANIFEST not in sfiles)
     present = final.list_files() if final.exists() else {}
     force = False
     if MANIFEST in present:
@@ -511,7 +570,7 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
                 and WRITING_MARKER not in present:
             result.action = "up-to-date"
             if delete_source and not dry_run:
-                result.deleted_source = _delete_source(sstore, sfiles)
+                result.deleted_source = _delete_source(sstore, sfiles, final, dst_options)
             result.seconds = round(time.monotonic() - t0, 3)
             return result
         raise Finding(final.url, f"destination holds another checkpoint ({there.checkpoint_id}); "
@@ -525,6 +584,9 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
         force = True  # what a killed pack or unpack left: started afresh
     if pack and base == "auto":
         base = _newest_beside(final, dst, dst_options)
+        if base is not None and delete_source and _overlaps(open_store(base, dst_options),
+                                                            sstore):
+            base = None  # the source itself: about to go, so no base for the copy
     result.pack = {"base": base}
     if dry_run:
         result.action = "dry-run"
@@ -535,7 +597,8 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
     if pack:
         r = do_pack(src, dst, base=base, level=level, workers=workers, force=force,
                     storage_options=src_options, dst_storage_options=dst_options,
-                    base_storage_options=dst_options, on_bytes=on_bytes, on_total=on_total)
+                    base_storage_options=dst_options, on_bytes=on_bytes, on_total=on_total,
+                    source_manifest=raw if MANIFEST not in sfiles else None)
         result.bytes_sent = r.bytes_out
         result.pack = {"base": r.base, "base_url": base if r.base else None, "depth": r.depth,
                        "ratio": r.ratio, "full_reason": r.full_reason}
@@ -608,11 +671,105 @@ def _check_landed(work: Store, man: Manifest) -> None:
                           "nothing was committed, rerun to resume", code="SIZE_MISMATCH")
 
 
-def _delete_source(store: Store, files: dict[str, int]) -> bool:
+def _delete_source(store: Store, files: dict[str, int], final: Store,
+                   dst_options: dict | None) -> bool:
+    """``--delete-source``: remove the source once the copy at ``final`` restores on its
+    own, i.e. is no delta pack whose base chain is missing or runs through the source."""
     from .remove import remove_checkpoint
 
+    _restores_without(final, dst_options, store)
     remove_checkpoint(store, files)
     return True
+
+
+def _restores_without(final: Store, options: dict | None, source: Store) -> None:
+    """Refuse (Finding, exit 1) to let ``source`` go when the checkpoint at ``final`` is a
+    delta pack that cannot be restored from there, or whose base chain uses ``source``.
+
+    >>> import tempfile
+    >>> _restores_without(open_store(tempfile.mkdtemp()), None, open_store(tempfile.mkdtemp()))
+    """
+    from ..formats.pack import PackStore, is_pack, open_pack
+    from .verify import base_unrestorable
+
+    files = final.list_files() if final.exists() else {}
+    if not is_pack(files):
+        return
+    ps = open_pack(final, files, storage_options=options)
+    opened = [ps]
+    try:
+        while isinstance(ps, PackStore) and ps.index.base:
+            why = base_unrestorable(ps, options)
+            if why:
+                raise Finding(final.url, f"not removing the source: the copy cannot be "
+                              f"restored ({why})", code="MISSING_BASE")
+            ps = ps._base_store()
+            opened.append(ps)
+            if _overlaps(getattr(ps, "raw", ps), source):
+                raise Finding(final.url, "not removing the source: the copy is a delta pack "
+                              "made against it (promote again with --base none, or keep it)",
+                              code="HAS_DEPENDANTS")
+    finally:
+        for store in opened:
+            store.close()
+
+
+def _delta_pack(src: str, options: dict | None) -> bool:
+    """Is ``src`` a delta pack (a pack with a base)? One listing, one small read."""
+    from ..formats.pack import is_pack, read_index
+
+    store, files, single = locate(src, options)
+    return not single and is_pack(files) and read_index(store, files).base is not None
+
+
+def _pack_route(sstore: Store, sfiles: dict[str, int], src: str, dst: str,
+                dst_options: dict | None, *, pack: bool | None, base: str | None,
+                delete_source: bool) -> tuple[str, str | None, dict | None]:
+    """How the pack at ``sstore`` goes to ``dst``: ``("copy", base, carried)`` copies it
+    as it is (``carried``: the base a delta pack keeps, found from ``dst``),
+    ``("unpack", ...)`` restores it, ``("pack", base, None)`` packs its checkpoint again
+    against ``base`` (``"auto"``, a URL, None: full). A delta pack is copied only where
+    its base is reachable; to a plain place (``pack`` None or False) it is restored."""
+    from ..formats.pack import read_index
+
+    if pack is False:
+        return "unpack", base, None
+    index = read_index(sstore, sfiles)
+    if index.base is None:  # a full pack stands alone
+        return ("pack", base, None) if pack and base not in ("auto", None) \
+            else ("copy", base, None)
+    if not pack:
+        return "unpack", base, None
+    if base == "auto":
+        found = _base_from(dst, dst_options, index)
+        if found is not None and not (delete_source and _overlaps(
+                open_store(found, dst_options), sstore)):
+            return "copy", base, {"base": index.base["id"], "base_url": found,
+                                  "depth": index.depth, "carried": True}
+    return "pack", base, None
+
+
+def _base_from(dst: str, options: dict | None, index) -> str | None:
+    """The URL of the base the delta pack ``index`` records, as seen from ``dst``, when it
+    is there, is that checkpoint (by id) and is restorable; else None."""
+    from ..formats.pack import base_resolver, join_url
+    from .state import COMPLETE, SEALED, checkpoint_state
+
+    if not index.base.get("url"):
+        return None
+    url = join_url(dst.rstrip("/"), index.base["url"])
+    try:
+        bstore = base_resolver(dst.rstrip("/"), index, None, options)()
+    except StorageError:
+        raise
+    except CkptError:
+        return None
+    try:
+        if checkpoint_state(bstore.url, options).state not in (SEALED, COMPLETE):
+            return None
+    finally:
+        bstore.close()
+    return url
 
 
 def _overlaps(a: Store, b: Store) -> bool:

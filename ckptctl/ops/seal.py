@@ -1,9 +1,12 @@
 """``seal``: write the manifest of a checkpoint a framework wrote, making it "committed".
 
 Structural checks run first; an incomplete or inconsistent checkpoint is refused (exit 1).
-Sealing a sealed checkpoint verifies it against its manifest instead and says so.
-The manifest is written last, atomically and exclusively: a concurrent sealer loses
-cleanly instead of overwriting.
+Sealing a sealed checkpoint verifies it against its manifest instead and says so; tags it
+is given that the manifest lacks are added (action ``"tagged"``).
+The manifest is written last, atomically and exclusively: a concurrent sealer of other
+content or another step loses cleanly (exit 1) instead of overwriting, and concurrent
+sealers of the same content with different tags all end up in one manifest
+(:func:`_publish`): tags are a set, and a seal that exits 0 has its tags stored.
 
 >>> r = seal("ckpt/", step=1200, tags=["release"])          # doctest: +SKIP
 >>> r.action, r.manifest_id                                 # doctest: +SKIP
@@ -11,16 +14,22 @@ cleanly instead of overwriting.
 """
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import re
+import socket
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .._deps import MissingDependencyError
-from ..errors import CkptError, Finding, StorageError, UsageError
+from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
 from ..formats.detect import locate, open_checkpoint
 from ..formats.manifest import MANIFEST, Manifest, is_control_file, is_temp_name
-from ..storage import digest_bytes, hash_file, normalize_algo
+from ..storage import Store, digest_bytes, hash_file, normalize_algo, open_store
 from .commit import commit, manifest_for
 from .verify import Problem, verify
 
@@ -28,12 +37,20 @@ from .verify import Problem, verify
 #: Remote files up to this size are hashed from the one whole-file GET the store caches
 #: (the default ``max_file`` of :meth:`~ckptctl.storage.Store.cache_small_files`).
 SMALL_FILE = 16 << 20
+#: Reads and conditional writes of the manifest before a seal gives up on a manifest that
+#: other writers keep changing (each round is a few requests).
+ROUNDS = 16
+#: Where the server ignores conditional writes: rounds of the intent protocol, and how
+#: long an intent may live before a sealer takes it for a killed one's.
+INTENT_ROUNDS = 40
+STALE_INTENT = 600.0
+_INTENT = re.compile(r"^\.ckptctl-seal-([0-9a-f]{32})-(\d+)-([0-9a-f]{8})\.tmp$")
 
 
 @dataclass
 class SealResult:
     url: str
-    action: str  # "sealed" or "verified"
+    action: str  # "sealed", "updated", "tagged" or "verified"
     manifest_id: str | None
     format: str
     step: int | None
@@ -42,6 +59,8 @@ class SealResult:
     bytes: int
     seconds: float
     problems: list[Problem] = field(default_factory=list)
+    #: the tags the stored manifest has (this seal's and any a concurrent sealer added)
+    tags: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,7 +80,8 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
     inconsistent, or if it is sealed and no longer matches its manifest.
 
     A sealed checkpoint is verified against its manifest; files it does not list are
-    reported (``problems``: EXTRA_FILE warnings). ``update=True`` reseals it instead:
+    reported (``problems``: EXTRA_FILE warnings); ``tags`` it lacks are added (action
+    ``"tagged"``; nothing else in it changes). ``update=True`` reseals it instead:
     once every listed file still matches its hash, the files added since are hashed and
     a new manifest (the old step and tags kept unless given; ``hash=None``: the old
     algorithm) atomically replaces the old one, last (action ``"updated"``).
@@ -80,6 +100,7 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
     # remote files (.metadata, the manifest, small chunks) are fetched once and shared by
     # the metadata reader, verify and the hashes (S3: one LIST, one GET of .metadata).
     store.cache_small_files(files)
+    replaces = None
     if MANIFEST in files:
         r = verify(url, storage_options, level="full", workers=workers, on_bytes=on_bytes,
                    located=located, uploads=False, on_total=on_total)
@@ -91,13 +112,87 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
         doc = Manifest.read(store, files)
         old = _update_plan(doc, files, hash=hash, step=step, tags=tags) if update else None
         if old is None:
-            return SealResult(url, "verified", doc.id, doc.format, doc.step, doc.hash,
+            action = "verified"
+            if not set(tags or []) <= set(doc.tags):  # seal --tag of a sealed checkpoint
+                doc = _publish(url, storage_options, dataclasses.replace(
+                    doc, tags=sorted(set(doc.tags) | set(tags))), first=False)
+                action = "tagged"
+            return SealResult(url, action, doc.id, doc.format, doc.step, doc.hash,
                               len(doc.files), doc.total_bytes,
-                              round(time.monotonic() - t0, 3), problems=list(r.problems))
+                              round(time.monotonic() - t0, 3), problems=list(r.problems),
+                              tags=sorted(doc.tags))
         algo, step, tags, known = old
         already = doc.total_bytes  # verify read them
+        replaces = doc.id
     else:
         known, already = {}, 0
+    man = _hash_manifest(url, storage_options, located, algo=algo, step=step, tags=tags,
+                         known=known, already=already, workers=workers, on_bytes=on_bytes,
+                         on_total=on_total)
+    stored = _publish(url, storage_options, man, replaces=replaces,
+                      first=MANIFEST not in files)
+    return SealResult(url, "updated" if MANIFEST in files else "sealed", stored.id,
+                      man.format, stored.step, algo, len(man.files), man.total_bytes,
+                      round(time.monotonic() - t0, 3), tags=sorted(stored.tags))
+
+
+def manifest_of(url: str, storage_options: dict | None = None, *, hash: str | None = None,
+                step: int | None = None, tags: list[str] | None = None, workers: int = 4,
+                on_bytes: Callable[[int], None] | None = None,
+                on_total: Callable[[int], None] | None = None,
+                located: tuple | None = None) -> Manifest:
+    """The manifest :func:`seal` would write for the unsealed checkpoint at ``url``,
+    computed (structure checked, every file hashed) without writing anything there: how
+    ``pack`` and ``promote`` take a source they may not or cannot write to (a read-only
+    mount, an archive bucket). An incomplete checkpoint is refused (exit 1) as by seal.
+
+    >>> manifest_of("/archive/step-80").id                     # doctest: +SKIP
+    'xxh3-128:5c1f...'
+    """
+    algo = normalize_algo(hash or "xxh3-128")
+    located = located or locate(url, storage_options)
+    store, files, single = located
+    if single:
+        raise UsageError("a lone file has no place for its manifest; put the file in its "
+                         "own folder", url)
+    store.cache_small_files(files)
+    return _hash_manifest(url, storage_options, located, algo=algo, step=step, tags=tags,
+                          known={}, already=0, workers=workers, on_bytes=on_bytes,
+                          on_total=on_total)
+
+
+def seal_or_hash(url: str, storage_options: dict | None = None, *,
+                 seal_source: bool | None = None, workers: int = 4,
+                 located: tuple | None = None) -> tuple[Manifest, bool]:
+    """For a copier (``pack``, ``promote``) of the unsealed checkpoint at ``url``: its
+    manifest, and whether it is now sealed there (then read the stored one back).
+    ``seal_source`` True seals it (:func:`seal`; a source that refuses the write fails);
+    False never writes there (:func:`manifest_of`); None (the default) seals it when it
+    takes the write, and else (a read-only mount or bucket, read-only keys: the write
+    fails with a storage error) keeps the manifest in memory only, for the destination.
+    An incomplete checkpoint is refused (exit 1) either way.
+
+    >>> man, sealed = seal_or_hash("/archive/step-80")          # doctest: +SKIP
+    >>> sealed                                                 # doctest: +SKIP
+    False
+    """
+    if seal_source:
+        seal(url, storage_options, workers=workers)
+        return Manifest.read(open_store(url, storage_options)), True
+    man = manifest_of(url, storage_options, workers=workers, located=located)
+    if seal_source is None:
+        try:
+            return _publish(url, storage_options, man, first=True), True
+        except StorageError:  # the source does not take writes: it stays as it is
+            pass
+    return man, False
+
+
+def _hash_manifest(url: str, storage_options, located, *, algo: str, step, tags, known,
+                   already: int, workers: int, on_bytes, on_total) -> Manifest:
+    """Structure checks, then the hashes of every file not in ``known`` (files a manifest
+    proved just now): the manifest to commit. Nothing is written."""
+    store, files, _ = located
     try:
         ck = open_checkpoint(url, storage_options, strict=False, located=located)
     except (StorageError, MissingDependencyError):
@@ -132,11 +227,199 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
         if size != files[rel]:
             raise Finding(store.display(rel), "changed size while being sealed: is a writer "
                           "still running?", code="SIZE_MISMATCH")
-    mid = commit(store, manifest_for(ck, hashes, algo=algo, step=step, tags=tags),
-                 replace=MANIFEST in files)  # only --update gets here then
-    return SealResult(url, "updated" if MANIFEST in files else "sealed", mid, ck.format, step, algo,
-                      len(hashes), sum(size for _, size in hashes.values()),
-                      round(time.monotonic() - t0, 3))
+    return manifest_for(ck, hashes, algo=algo, step=step, tags=tags)
+
+
+# --------------------------------------------------------------------------- publishing
+
+
+def _merged(stored: Manifest | None, want: Manifest, replaces: str | None,
+            where: str) -> Manifest | None:
+    """What to write over ``stored`` (None: nothing is there) so that it says ``want``
+    with ``want``'s tags: None when it says that already. The same
+    checkpoint (id and step) keeps its manifest and gains the tags; one whose id is
+    ``replaces`` (``seal --update``) is replaced, keeping its tags; anything else is
+    another writer's checkpoint: :class:`~ckptctl.errors.Finding` (exit 1).
+
+    >>> from ckptctl.formats.manifest import FileEntry
+    >>> a = Manifest({"x": FileEntry(1, "h")}, step=5, tags=["a"])
+    >>> _merged(a, dataclasses.replace(a, tags=["b"]), None, "m").tags
+    ['a', 'b']
+    >>> _merged(a, a, None, "m") is None
+    True
+    """
+    tags = set(want.tags)
+    if stored is None:
+        return dataclasses.replace(want, tags=sorted(tags))
+    if stored.id == want.id and stored.step == want.step:
+        if tags <= set(stored.tags):
+            return None
+        return dataclasses.replace(stored, tags=sorted(tags | set(stored.tags)))
+    if replaces is not None and stored.id == replaces:
+        return dataclasses.replace(want, tags=sorted(tags | set(stored.tags)))
+    raise Finding(where, "another writer committed this checkpoint at the same time with "
+                  "other content or step; its manifest won", code="ALREADY_EXISTS")
+
+
+def _read_stored(store: Store) -> tuple[Manifest | None, str | None]:
+    """The stored manifest read fresh (never a cached copy), and its version."""
+    from ..storage.conditional import read_versioned
+
+    got = read_versioned(store, MANIFEST)
+    if got is None:
+        return None, None
+    return Manifest.parse(got[0], store.display(MANIFEST)), got[1]
+
+
+def _publish(url: str, storage_options: dict | None, want: Manifest, *,
+             replaces: str | None = None, first: bool = False) -> Manifest:
+    """Commit ``want`` as the manifest at ``url`` so that no concurrent sealer's tags are
+    lost; returns the manifest stored (``want``'s checkpoint with at least its tags).
+
+    ``first``: the listing showed no manifest, so the one exclusive write of every commit
+    (:func:`~ckptctl.ops.commit.commit`) goes first. When it finds one there (another
+    sealer won), or for a sealed checkpoint, the stored manifest is read and rewritten
+    with the union of the tags (:func:`_merged`), as a compare-and-swap: POSIX under an
+    exclusive lock of the folder, S3 with ``If-Match`` on the ETag read. A server that
+    ignores conditional writes (``rclone serve s3``) gets :func:`_publish_unconditional`.
+    """
+    from ..storage.conditional import (create_if_absent, folder_lock, honours_conditions,
+                                       replace_if)
+
+    store = open_store(url, storage_options)  # its own: no cached copy of the manifest
+    where = store.display(MANIFEST)
+    if not honours_conditions(store, f".ckptctl-probe-{uuid.uuid4().hex}.tmp"):
+        return _publish_unconditional(store, want, replaces)
+    if first:
+        try:
+            commit(store, want)
+            return want
+        except Finding as e:
+            if e.code != "ALREADY_EXISTS":
+                raise
+    with folder_lock(store):
+        for _ in range(ROUNDS):
+            stored, version = _read_stored(store)
+            target = _merged(stored, want, replaces, where)
+            if target is None:
+                return stored
+            if stored is None:
+                create_if_absent(store, MANIFEST, target.to_bytes())
+            else:
+                replace_if(store, MANIFEST, target.to_bytes(), version)
+            # and read again: what is stored now is the answer (ours, or a rival's to merge)
+    raise Finding(where, "the manifest kept changing under other writers; rerun",
+                  code="ALREADY_EXISTS")
+
+
+def _publish_unconditional(store: Store, want: Manifest, replaces: str | None) -> Manifest:
+    """:func:`_publish` where writes cannot be conditional: each sealer first leaves an
+    *intent* (``.ckptctl-seal-<random>-<pid>-<host>.tmp``), then in rounds lists the
+    folder, reads the manifest, writes it with the union of its tags and the stored ones,
+    lists again and reads it back. It is done (exit 0) once a round's second listing
+    shows no other intent and the read-back holds its tags: a writer that could still
+    overwrite that manifest without them read it before our write and keeps its intent
+    until after its own write, so that listing would have shown it. When others are
+    there, the one with the later name steps aside (removes its intent, waits for the
+    earlier ones to go, starts again); the earliest goes on. Nothing better works without
+    compare-and-swap; a sealer that cannot finish exits 1, never 0 with its tags lost.
+    Intents are only listed, never read (a read racing its removal hangs on rclone); one
+    older than :data:`STALE_INTENT`, or of a dead process of this host, is a killed
+    sealer's: removed, ignored."""
+    where = store.display(MANIFEST)
+    stale: set[str] = set()
+    me = _put_intent(store, want)
+    try:
+        for attempt in range(INTENT_ROUNDS):
+            top = store.list_files(recursive=False)
+            try:
+                stored, _ = _read_stored(store) if MANIFEST in top else (None, None)
+            except FormatError:  # caught mid-write by another sealer: look again
+                time.sleep(min(0.05 * 1.3 ** attempt, 1.0))
+                continue
+            target = _merged(stored, want, replaces, where)
+            if target is not None:
+                store.write_atomic(MANIFEST, target.to_bytes())
+            live = _live_intents(store, store.list_files(recursive=False), me, stale)
+            try:
+                back, _ = _read_stored(store)
+            except FormatError:
+                continue
+            if back is None or _merged(back, want, replaces, where) is not None:
+                continue  # a writer that had not seen ours overwrote it: once more
+            if not live:
+                return back
+            earlier = {n for n in live if _intent_key(n) < _intent_key(me)}
+            if earlier:  # step aside until the earlier ones are done, then start again
+                store.remove(me)
+                _wait_gone(store, earlier, stale)
+                me = _put_intent(store, want)
+            else:
+                time.sleep(min(0.05 * 1.3 ** attempt, 1.0))  # the later ones step aside
+        raise Finding(where, "other seals of this checkpoint kept running at the same "
+                      "time; rerun when they are done", code="ALREADY_EXISTS")
+    finally:
+        store.remove(me)
+
+
+def _host() -> str:
+    return digest_bytes(socket.gethostname().encode(), "xxh3-128")[:8]
+
+
+def _put_intent(store: Store, want: Manifest) -> str:
+    """Leave this sealer's intent (its name says all that others need; the body is for
+    people)."""
+    name = f".ckptctl-seal-{uuid.uuid4().hex}-{os.getpid()}-{_host()}.tmp"
+    doc = {"command": "seal", "id": want.id, "step": want.step, "tags": sorted(want.tags),
+           "host": socket.gethostname(), "pid": os.getpid(),
+           "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    store.write_atomic(name, (json.dumps(doc, sort_keys=True) + "\n").encode())
+    return name
+
+
+def _intent_key(name: str) -> str:
+    return _INTENT.match(name).group(1)
+
+
+def _live_intents(store: Store, listing: dict[str, int], me: str, stale: set[str]) -> list[str]:
+    """The other sealers' intents in ``listing`` that are not a killed one's (a stale
+    one is removed)."""
+    out = []
+    for name in listing:
+        m = _INTENT.match(name)
+        if name == me or m is None or name in stale:
+            continue
+        if _stale(store, name, int(m.group(2)), m.group(3)):
+            stale.add(name)
+            store.remove(name)
+            continue
+        out.append(name)
+    return out
+
+
+def _stale(store: Store, name: str, pid: int, host: str) -> bool:
+    """Is this intent a killed sealer's? Left by a process of this host that is gone, or
+    older than :data:`STALE_INTENT` (by the listing's time)."""
+    if host == _host() and pid > 0:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            pass
+    when = store.modified(name)
+    return when is not None and time.time() - when > STALE_INTENT
+
+
+def _wait_gone(store: Store, names: set[str], stale: set[str]) -> None:
+    """Wait (bounded, backing off) until the intents ``names`` are gone."""
+    for attempt in range(INTENT_ROUNDS):
+        top = store.list_files(recursive=False)
+        if not names & set(_live_intents(store, top, "", stale)):
+            return
+        time.sleep(min(0.05 * 1.3 ** attempt, 1.0))
+    raise Finding(store.display(MANIFEST), "another seal of this checkpoint is still "
+                  "running; rerun when it is done", code="ALREADY_EXISTS")
 
 
 def _update_plan(doc: Manifest, files: dict[str, int], *, hash: str | None, step: int | None,
