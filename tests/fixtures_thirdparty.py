@@ -11,11 +11,17 @@ For each fixture NAME the cache holds the checkpoint, ``NAME.reference.pt`` (wha
 own loader returns, flat dotted names) and ``NAME.expect.json`` (entries, ``num_params``,
 ``num_buffers``, ...). Cached files are read-only: copy with ``fixtures_torch.copy_ckpt``
 before modifying.
+
+The writers must be the versions the dev extra of ``pyproject.toml`` pins (transformers 5.x,
+say, no longer writes ``pytorch_model.bin``): when a selected test uses the fixtures and an
+installed writer is outside its range, the run stops at collection with one line saying what
+is needed (:func:`version_problem`), instead of erroring every test on the generator.
 """
 
 import functools
 import hashlib
 import json
+import re
 import shutil
 import sys
 from dataclasses import dataclass
@@ -34,6 +40,10 @@ PACKAGES = ("torch", "safetensors", "transformers", "accelerate", "lightning", "
 #: Every fixture the generator writes (its ``.expect.json`` names them).
 NAMES = ("hf-safetensors", "hf-bin", "hf-sharded", "accelerate-safetensors", "accelerate-bin",
          "lightning", "peft-lora", "legacy", "dcp-strided", "dcp-hf-dist", "dcp-hf-rank0")
+#: The third-party writers whose versions the generator depends on (checked against the
+#: dev extra of pyproject.toml).
+WRITERS = ("transformers", "accelerate", "lightning", "peft")
+PYPROJECT = HERE.parent / "pyproject.toml"
 
 
 @dataclass(frozen=True)
@@ -110,6 +120,82 @@ def generate(root: Path) -> None:
     for path in root.rglob("*"):
         if path.is_file():
             path.chmod(0o444)
+
+
+def required_versions(pyproject: Path = PYPROJECT) -> dict[str, str]:
+    """The version ranges the dev extra of ``pyproject`` gives the :data:`WRITERS`, as
+    written there (``{"transformers": ">=4.40,<5", ...}``); empty without the file."""
+    import tomllib
+
+    try:
+        doc = tomllib.loads(pyproject.read_text(encoding="utf-8"))
+    except OSError:
+        return {}
+    out = {}
+    for req in doc.get("project", {}).get("optional-dependencies", {}).get("dev", []):
+        m = re.match(r"\s*([A-Za-z0-9_.-]+)\s*(?:\[[^\]]*\])?\s*([^;]*)", req)
+        name = m.group(1).lower().replace("_", "-") if m else ""
+        if name in WRITERS and m.group(2).strip():
+            out[name] = m.group(2).strip()
+    return out
+
+
+def installed_versions() -> dict[str, str | None]:
+    """The installed version of each of the :data:`WRITERS` (None: not installed)."""
+    from importlib.metadata import PackageNotFoundError
+
+    out = {}
+    for name in WRITERS:
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def version_problem(installed: dict[str, str | None], required: dict[str, str]) -> str | None:
+    """The one line to stop on when an installed writer is outside its required range;
+    None when all are inside (a writer not installed is not a version problem: the
+    fixtures skip then, as they always did).
+
+    >>> version_problem({"transformers": "5.1.0"}, {"transformers": ">=4.40,<5"})
+    "the compatibility fixtures need transformers>=4.40,<5; found 5.1.0: run `make venv` (pip install -e '.[dev]')"
+    >>> version_problem({"transformers": "4.57.6", "peft": None},
+    ...                 {"transformers": ">=4.40,<5", "peft": ">=0.12"}) is None
+    True
+    """
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import InvalidVersion, Version
+
+    bad = []
+    for name, spec in required.items():
+        have = installed.get(name)
+        if have is None:
+            continue
+        try:
+            ok = SpecifierSet(spec).contains(Version(have), prereleases=True)
+        except InvalidVersion:
+            ok = False
+        if not ok:
+            bad.append((name, spec, have))
+    if not bad:
+        return None
+    need = " and ".join(f"{name}{spec}" for name, spec, _ in bad)
+    found = bad[0][2] if len(bad) == 1 else " and ".join(f"{n} {h}" for n, _, h in bad)
+    return (f"the compatibility fixtures need {need}; found {found}: run `make venv` "
+            "(pip install -e '.[dev]')")
+
+
+@pytest.hookimpl(trylast=True)  # after -k/-m deselection: only the tests that will run
+def pytest_collection_modifyitems(config, items):
+    """Stop the run with one line when a selected test uses ``thirdparty_ckpts`` and a
+    writer's version is outside the dev extra's range (a run without such a test, or with
+    the right versions, is untouched)."""
+    if not any("thirdparty_ckpts" in getattr(item, "fixturenames", ()) for item in items):
+        return
+    problem = version_problem(installed_versions(), required_versions())
+    if problem is not None:
+        raise pytest.UsageError(problem)
 
 
 @pytest.fixture(scope="session")

@@ -233,3 +233,55 @@ def test_reshard_then_consolidate_equals_loader(fx, cli, tmp_path, request):
     got = flatten(torch.load(out / "model.pt", weights_only=True, map_location="cpu"))
     assert set(got) == want, set(got) ^ want
     assert _mismatches(got, fx.reference(), want) == []
+
+
+# ------------------------------------------------------------------ the writers' versions
+
+
+def test_a_writer_outside_its_range_is_one_line():
+    """The check the collection hook runs, on version strings: this venv passes it (a
+    correct venv runs as before); transformers 5.x gets one line saying what is needed."""
+    from fixtures_thirdparty import installed_versions, required_versions, version_problem
+
+    need = required_versions()
+    assert set(need) == {"transformers", "accelerate", "lightning", "peft"}, need
+    assert "<5" in need["transformers"]  # as pyproject's dev extra pins it
+    assert version_problem(installed_versions(), need) is None
+    line = version_problem({**installed_versions(), "transformers": "5.1.0"}, need)
+    assert line == (f"the compatibility fixtures need transformers{need['transformers']}; "
+                    "found 5.1.0: run `make venv` (pip install -e '.[dev]')")
+
+
+def test_collecting_with_transformers_5_stops_with_one_line(tmp_path):
+    """A distribution record of transformers 5.1.0 ahead on the path (the installed package
+    untouched): collecting the compatibility suite stops with that one line (pytest's
+    usage error, exit 4) before any fixture runs; a selection of tests that do not use the
+    fixtures collects as usual."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fixtures_thirdparty import required_versions
+
+    meta = tmp_path / "transformers-5.1.0.dist-info"
+    meta.mkdir()
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 5.1.0\n")
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(tmp_path)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+
+    def collect(*args):
+        return subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only",
+                               "-p", "no:xdist", "tests/test_compat.py", *args], cwd=root,
+                              env=env, capture_output=True, text=True, timeout=600)
+
+    r = collect()
+    assert r.returncode == 4, (r.returncode, r.stdout, r.stderr)
+    line = (f"ERROR: the compatibility fixtures need transformers"
+            f"{required_versions()['transformers']}; found 5.1.0: run `make venv` "
+            "(pip install -e '.[dev]')")
+    assert r.stderr.strip() == line, r.stderr
+    r = collect("-k", "writer_outside_its_range")
+    assert r.returncode == 0 and r.stdout.startswith(
+        "tests/test_compat.py::test_a_writer_outside_its_range_is_one_line\n\n1/"), r.stdout

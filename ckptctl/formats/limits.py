@@ -34,6 +34,19 @@ def check_shape(shape, dtype, *, where: str = "") -> int:
     return nbytes
 
 
+def count_key(data: bytes, key: str) -> int:
+    """How often the JSON string ``key`` (quotes included) occurs in the raw bytes
+    ``data``: a count taken before parsing (one pass, nothing allocated) that bounds
+    the records carrying that key. A key spelled with ``\\u`` escapes is missed, so the
+    parsed document must be counted again; a value equal to ``key`` counts too (harmless
+    for a limit far above real counts).
+
+    >>> count_key(b'{"a": {"kind": 1}, "b": {"kind": 2}, "c": 3}', "kind")
+    2
+    """
+    return data.count(b'"' + key.encode() + b'"')
+
+
 def load_json(data: bytes | str, where: str, what: str = "file"):
     """Parse JSON read from a checkpoint: bad or absurdly nested input (json recurses per
     level) is one :class:`FormatError` naming ``where``, never a RecursionError.

@@ -41,7 +41,7 @@ from typing import Callable, Iterator
 
 from ..errors import FormatError, NotFoundError, UnsafeInputError, UsageError
 from ..storage import Capabilities, IOStats, Store, safe_relpath
-from .limits import MAX_TENSOR_BYTES, load_json
+from .limits import MAX_TENSOR_BYTES, count_key, load_json
 from .manifest import MANIFEST, WRITING_MARKER, Manifest
 
 PACK_INDEX = "ckptctl.pack.json"
@@ -52,7 +52,15 @@ DATA_NAME = re.compile(r"^data-\d{5,9}\.bin$")
 MAX_INDEX_BYTES = 512 << 20
 #: Largest chunk a reader agrees to decode (the writer uses packcodec.CHUNK_SIZE, 4 MiB).
 MAX_CHUNK_SIZE = 64 << 20
-MAX_FILES = 1_000_000
+#: Most records an index may hold, counted in its bytes before they are parsed and again
+#: in the parsed document before any is validated (a 200,000-file index would cost tens of
+#: seconds and ~1 GB to parse before a late error). A pack of a 10,000-rank DCP checkpoint
+#: holds ~10,000 files; its ~300,000 chunks make ~600,000 segments (a zip's header bytes,
+#: then the tensor bytes) and as many chunks plus one per 4 MiB of data. MAX_SEGMENTS and
+#: MAX_CHUNKS are about as many of the smallest records as MAX_INDEX_BYTES can hold.
+MAX_FILES = 100_000
+MAX_SEGMENTS = 3_000_000
+MAX_CHUNKS = 6_000_000
 MODES = ("zstd", "planes", "xor", "same")
 #: Longest chain of delta packs a reader follows (``--max-chain`` writes at most this).
 MAX_DEPTH = 64
@@ -145,6 +153,38 @@ def _int(v, what: str, where: str, *, low: int = 0, high: int = MAX_TENSOR_BYTES
     return v
 
 
+def _check_counts(where: str, files: int, segments: int, chunks: int) -> None:
+    """Refuse an index holding more records than :data:`MAX_FILES`, :data:`MAX_SEGMENTS`
+    or :data:`MAX_CHUNKS` (one line naming the limit).
+
+    >>> _check_counts("p", 200_000, 200_000, 200_000)
+    Traceback (most recent call last):
+    ckptctl.errors.UnsafeInputError: p: pack index lists 200000 files, over the limit of 100000 files a pack may hold
+    """
+    for n, limit, what in ((files, MAX_FILES, "files"), (segments, MAX_SEGMENTS, "segments"),
+                           (chunks, MAX_CHUNKS, "chunks")):
+        if n > limit:
+            raise UnsafeInputError(where, f"pack index lists {n} {what}, over the limit of "
+                                   f"{limit} {what} a pack may hold")
+
+
+def _count_parsed(where: str, files, source_files) -> None:
+    """:func:`_check_counts` on the parsed index (its ``files`` table and the source
+    manifest's), before any record is validated: what the count in the bytes missed (keys
+    spelled with escapes) is caught here, still before the per-file work."""
+    segments = chunks = 0
+    if isinstance(files, dict):
+        for rec in files.values():
+            segs = rec.get("segments") if isinstance(rec, dict) else None
+            if isinstance(segs, list):
+                segments += len(segs)
+                chunks += sum(len(s["chunks"]) for s in segs
+                              if isinstance(s, dict) and isinstance(s.get("chunks"), list))
+    n = max(len(files) if isinstance(files, dict) else 0,
+            len(source_files) if isinstance(source_files, dict) else 0)
+    _check_counts(where, n, segments, chunks)
+
+
 @dataclass
 class PackIndex:
     """The parsed, validated ``ckptctl.pack.json``."""
@@ -172,6 +212,13 @@ class PackIndex:
     def depth(self) -> int:
         """Deltas to resolve before the bytes are whole: 0 for a full pack."""
         return int(self.base["depth"]) if self.base else 0
+
+    @property
+    def needs_base(self) -> bool:
+        """Does any chunk decode against the base (``xor``/``same``)? A pack made against
+        a base where no delta paid off restores without it."""
+        return self.base is not None and any(
+            c.mode in ("xor", "same") for f in self.files.values() for c in f.refs)
 
     def modes(self) -> dict[str, int]:
         """Chunks by mode."""
@@ -203,12 +250,16 @@ class PackIndex:
         naming ``where``, raised before anything else is read."""
         if len(data) > MAX_INDEX_BYTES:
             raise UnsafeInputError(where, f"pack index is absurdly large ({len(data)} bytes)")
+        # the counts first, in the bytes: an absurd index is refused before the JSON is built
+        _check_counts(where, count_key(data, "segments"), count_key(data, "kind"),
+                      count_key(data, "check"))
         doc = load_json(data, where, "pack index")
         if not isinstance(doc, dict) or doc.get("pack") != PACK_VERSION:
             raise FormatError(where, f"not a version-{PACK_VERSION} pack index")
         src = doc.get("source")
         if not isinstance(src, dict):
             raise FormatError(where, "pack index has no source manifest")
+        _count_parsed(where, doc.get("files"), src.get("files"))
         source = Manifest.parse(json.dumps(src).encode(), where)
         source_id = doc.get("source_id")
         if source_id != source.id:
@@ -226,8 +277,6 @@ class PackIndex:
         files = doc.get("files")
         if not isinstance(files, dict):
             raise FormatError(where, "pack index has no files table")
-        if len(files) > MAX_FILES:
-            raise UnsafeInputError(where, f"pack index lists {len(files)} files")
         want = set(source.files) | {MANIFEST}
         if set(files) != want:
             odd = sorted(set(files) ^ want)[:3]
@@ -489,7 +538,7 @@ class PackStore:
                 if self._resolver is None:
                     raise NotFoundError(self.display(), "delta pack needs its base "
                                         f"{self.index.base['id'] if self.index.base else '?'}; "
-                                        "pass --base URL", code="MISSING_FILE")
+                                        "pass --base URL", code="MISSING_BASE")
                 self._base = self._resolver()
             return self._base
 
@@ -740,29 +789,29 @@ def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
     want = index.base["id"] if index.base else None
 
     def resolve():
-        from .detect import locate
+        from .locate import locate
 
         url = base or (join_url(pack_url, index.base["url"]) if index.base.get("url") else None)
         if url is None:
             raise NotFoundError(pack_url, f"delta pack needs its base {want}; pass --base URL",
-                                code="MISSING_FILE")
+                                code="MISSING_BASE")
         try:
             store, files, single = pack_view(locate(url, storage_options), storage_options)
         except NotFoundError:
             raise NotFoundError(url, f"base of {pack_url} not found (the pack needs checkpoint "
-                                f"{want}; pass --base URL)", code="MISSING_FILE") from None
+                                f"{want}; pass --base URL)", code="MISSING_BASE") from None
         man = None if single else Manifest.read(store, files)
         if man is None:
             raise FormatError(url, f"base is not sealed, so its id cannot be checked (the pack "
                               f"needs checkpoint {want}); run `ckptctl seal` on it",
-                              code="MANIFEST_MISMATCH")
+                              code="MISSING_BASE")
         if man.checkpoint_id != want:
             raise FormatError(url, f"wrong base: this is checkpoint {man.checkpoint_id}, the "
-                              f"pack needs {want}", code="MANIFEST_MISMATCH")
+                              f"pack needs {want}", code="MISSING_BASE")
         if isinstance(store, PackStore) and store.index.depth >= index.depth:
             raise FormatError(url, f"base is a pack {store.index.depth} deep, this pack says "
                               f"{index.depth}: a chain of packs must get shorter towards its "
-                              "root (a cycle?)", code="MANIFEST_MISMATCH")
+                              "root (a cycle?)", code="MISSING_BASE")
         return store
 
     return resolve
