@@ -6,7 +6,8 @@ Load with ``pytest_plugins = ["fixtures_s3"]`` in the root conftest (or ``-p fix
   ``rclone_s3_readonly``: a read-only server over ``rclone_s3``'s data.
 - ``s3_bucket`` / ``moto_bucket``: a fresh, uniquely named bucket per test, with the server's
   request log reset once the bucket exists.
-- every test starts and ends with s3fs's instance cache cleared.
+- every test starts and ends with s3fs's instance cache cleared, and no server marked
+  dead (unanswering) by an earlier test.
 
 A server that cannot start fails the test with the reason; nothing here ever skips.
 """
@@ -52,6 +53,8 @@ class S3Bucket:
 def _clear_s3fs_cache():
     if "s3fs" in sys.modules:
         sys.modules["s3fs"].S3FileSystem.clear_instance_cache()
+    if "ckptctl.storage.store" in sys.modules:  # one test's timeout never fails the next
+        sys.modules["ckptctl.storage.store"].forget_dead_servers()
 
 
 @pytest.fixture(autouse=True)

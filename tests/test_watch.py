@@ -18,9 +18,8 @@ from conftest import dcp_save, run_cli
 from ckptctl.config import load_config
 from ckptctl.formats.manifest import MANIFEST
 from ckptctl.formats.pack import is_pack
-from ckptctl.ops.gc import protect_decision
+from ckptctl.ops.policy import Item, Policy, apply_policy
 from ckptctl.ops.ls import ls
-from ckptctl.ops.policy import Decision
 from ckptctl.ops.verify import verify
 from ckptctl.ops.watch import Watcher, read_status, state_dir
 
@@ -72,16 +71,18 @@ def _events(cfg: Path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
-def test_protect_decision_is_pure_and_keeps_order():
-    d = Decision({"step-4": ["last 1", "newest committed"]}, ["step-3", "step-2", "step-1"])
-    order = ["step-4", "step-3", "step-2", "step-1"]
-    out = protect_decision(d, {"step-2": "not yet in warm", "step-4": "not yet in warm",
-                               "gone": "x"}, order)
-    assert out.keep == {"step-4": ["last 1", "newest committed", "not yet in warm"],
-                        "step-2": ["not yet in warm"]}
-    assert out.remove == ["step-3", "step-1"]
-    assert d.remove == ["step-3", "step-2", "step-1"]  # the input is not changed
-    assert protect_decision(d, {}, order) == d
+def test_protection_keeps_a_checkpoint_and_its_base():
+    """What watch protects ("not yet in warm") stays, and so does the base it needs."""
+    items = [Item("step-1", 1, 1.0, "sealed", id="id-1"),
+             Item("step-2", 2, 2.0, "sealed", id="id-2", base="id-1"),
+             Item("step-3", 3, 3.0, "sealed", id="id-3")]
+    d = apply_policy(items, Policy(last=1), now=10.0,
+                     protect={"step-2": "not yet in warm", "gone": "x"})
+    assert d.keep == {"step-3": ["last 1", "newest committed"],
+                      "step-2": ["not yet in warm"], "step-1": ["base of kept step-2"]}
+    assert d.remove == []
+    assert apply_policy(items, Policy(last=1), now=10.0, protect={}) == \
+        apply_policy(items, Policy(last=1), now=10.0)
 
 
 def test_three_tiers_drain_pack_and_trim(tmp_path, s3_bucket):

@@ -800,6 +800,10 @@ def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
         except NotFoundError:
             raise NotFoundError(url, f"base of {pack_url} not found (the pack needs checkpoint "
                                 f"{want}; pass --base URL)", code="MISSING_BASE") from None
+        if not single and WRITING_MARKER in files:  # being written or removed (rm, gc)
+            raise FormatError(url, f"base of {pack_url} is held by a ckptctl writer or "
+                              f"remover ({WRITING_MARKER}); the pack needs checkpoint {want}",
+                              code="MISSING_BASE")
         man = None if single else Manifest.read(store, files)
         if man is None:
             raise FormatError(url, f"base is not sealed, so its id cannot be checked (the pack "

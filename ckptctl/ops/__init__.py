@@ -24,7 +24,7 @@ _EXPORTS = {
     **dict.fromkeys(["Group"], "distributed"),
     **dict.fromkeys(["InspectResult", "inspect", "summarize"], "inspect"),
     **dict.fromkeys(["ReshardResult", "reshard"], "reshard"),
-    **dict.fromkeys(["GcResult", "gc", "protect_decision"], "gc"),
+    **dict.fromkeys(["GcResult", "gc"], "gc"),
     **dict.fromkeys(["LatestResult", "latest"], "latest"),
     **dict.fromkeys(["LsResult", "ls"], "ls"),
     **dict.fromkeys(["PackResult", "UnpackResult", "pack", "unpack"], "pack"),

@@ -125,6 +125,30 @@ def _last_touched(row: CheckpointRow) -> float | None:
     return max(times) if times else None
 
 
+def _writing_base(row: CheckpointRow) -> str | None:
+    """The base id a delta pack being written names in its ``.ckptctl-writing`` marker
+    (its index and manifest come last): while gc keeps the write, it keeps that base.
+    One small read, only for an unfinished write holding pack data files."""
+    import json
+
+    from ..errors import CkptError
+    from ..formats.manifest import WRITING_MARKER
+    from ..formats.pack import DATA_NAME, PACK_INDEX
+
+    store, files, single = row.located or (None, {}, None)
+    if single or WRITING_MARKER not in files or not (
+            PACK_INDEX in files or any(DATA_NAME.match(f) for f in files)):
+        return None
+    try:
+        doc = json.loads(store.read(WRITING_MARKER))
+    except StorageError:
+        raise
+    except (CkptError, ValueError):
+        return None
+    base = doc.get("base") if isinstance(doc, dict) else None
+    return base if isinstance(base, str) else None
+
+
 def _live_writer(row: CheckpointRow) -> str | None:
     """``"pid N on HOST, COMMAND"`` when the row's writing marker names a ckptctl process
     still running on this host (a promote's staging folder, a reshard), else None.
@@ -156,9 +180,12 @@ def gc_items(rows: list[CheckpointRow], *, now: float, grace: float,
                 and t is not None and now - t >= grace:
             t = _last_touched(r)
             writer = _live_writer(r) if t is None or now - t >= grace else None
+        base = getattr(m, "base", None)
+        if base is None and r.state not in ("sealed", "complete"):
+            base = _writing_base(r)
         items.append(Item(r.name, r.step, t, r.state, r.pinned,
                           tuple(getattr(m, "tags", None) or ()),
-                          m.checkpoint_id if m is not None else None, getattr(m, "base", None),
+                          m.checkpoint_id if m is not None else None, base,
                           series=posixpath.dirname(r.name),
                           missing_base=r.reason.startswith("MISSING_BASE"),
                           needed_by=tuple(needed.get(r.name, ())), live_writer=writer))
@@ -188,7 +215,8 @@ def needed_elsewhere(rows: list[CheckpointRow],
 
 
 def settle(rows: list[CheckpointRow], policy: Policy, storage_options: dict | None = None,
-           *, now: float, grace: float, needed: dict[str, list[str]] | None = None
+           *, now: float, grace: float, needed: dict[str, list[str]] | None = None,
+           protect: dict[str, str] | None = None
            ) -> tuple[list[CheckpointRow], list[Item], Decision]:
     """The decision over an ``ls`` whose rows may come from the listing alone
     (``exact`` False), reading only the rows it rests on: ``(rows, items, decision)``,
@@ -213,7 +241,7 @@ def settle(rows: list[CheckpointRow], policy: Policy, storage_options: dict | No
         rows = confirm(rows, storage_options, manifests=True)
     while True:
         items = gc_items(rows, now=now, grace=grace, needed=needed)
-        decision = apply_policy(items, policy, now=now, grace=grace)
+        decision = apply_policy(items, policy, now=now, grace=grace, protect=protect)
         todo = _unsettled(rows, items, decision, now=now, grace=grace)
         if not todo:
             return rows, items, decision
@@ -292,31 +320,15 @@ def remove_batched(store, rows: list[CheckpointRow]) -> None:
         store.remove_many([f"{n}/{WRITING_MARKER}" for n in names])
 
 
-def protect_decision(decision: Decision, protect: dict[str, str],
-                     order: list[str]) -> Decision:
-    """``decision`` with every name of ``protect`` kept, its reason added; ``order`` is
-    every name, newest first (the order of the result). Pure.
-
-    >>> d = Decision({"step-3": ["last 1"]}, ["step-2", "step-1"])
-    >>> protect_decision(d, {"step-2": "not yet in warm", "step-9": "x"},
-    ...                  ["step-3", "step-2", "step-1"])
-    Decision(keep={'step-3': ['last 1'], 'step-2': ['not yet in warm']}, remove=['step-1'])
-    """
-    reasons = {n: list(decision.keep.get(n, [])) for n in order}
-    for name, why in protect.items():
-        if name in reasons and why not in reasons[name]:
-            reasons[name].append(why)
-    return Decision({n: r for n, r in reasons.items() if r},
-                    [n for n, r in reasons.items() if not r])
-
-
 def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
        dry_run: bool = False, grace: float | str = DEFAULT_GRACE,
        now: float | None = None, protect: dict[str, str] | None = None,
        listed: set[str] | None = None) -> GcResult:
     """Keep what ``policy`` and the rails keep under ``root``; remove the rest (``dry_run``:
     only say so). ``protect`` (name -> reason) is kept whatever the policy says
-    (:func:`protect_decision`; ``watch``: "not yet in TIER"). ``listed``: the names the
+    (:func:`~ckptctl.ops.policy.apply_policy`'s ``protect``, with the bases it needs;
+    ``watch``: "not yet in TIER"); so is a checkpoint holding files it does not own
+    (``blocked`` when only that keeps it). ``listed``: the names the
     caller's rail was computed from; any other name found here (it appeared since) is kept
     too, as the rail could not judge it. Raises UsageError (exit 2)
     on an empty policy, before anything is read.
@@ -337,19 +349,19 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
     grace = parse_duration(grace) if isinstance(grace, str) else float(grace)
     now = time.time() if now is None else now
     listing = ls(root, storage_options, manifests=True, check="auto")
-    settled, items, decision = settle(listing.checkpoints, policy, storage_options, now=now,
-                                      grace=grace,
+    rows = {r.name: r for r in listing.checkpoints}
+    foreign = _foreign(rows, list(rows), storage_options)  # confirms the rows it must read
+    why_foreign = {n: f"holds files not its own ({foreign_list(f)})" for n, f in foreign.items()}
+    protect = {**why_foreign, **(protect or {})}
+    if listed is not None:
+        protect = {**{n: "appeared after the listing" for n in rows if n not in listed},
+                   **protect}
+    settled, items, decision = settle(list(rows.values()), policy, storage_options, now=now,
+                                      grace=grace, protect=protect,
                                       needed=needed_elsewhere(listing.checkpoints,
                                                               storage_options))
     rows = {r.name: r for r in settled}
-    if listed is not None:
-        protect = {**{n: "appeared after the listing" for n in rows if n not in listed},
-                   **(protect or {})}
-    blocked = _foreign(rows, decision.remove, storage_options)
-    protect = {**{n: f"holds files not its own ({foreign_list(f)})" for n, f in blocked.items()},
-               **(protect or {})}
-    if protect:
-        decision = protect_decision(decision, protect, [i.name for i in newest_first(items)])
+    blocked = {n: f for n, f in foreign.items() if decision.keep.get(n) == [why_foreign[n]]}
     result = GcResult(listing.root, policy.describe(), dry_run, grace, now, decision,
                       blocked=blocked)
     for item in newest_first(items):

@@ -148,8 +148,9 @@ class OutputDir:
 
     def __init__(self, store: Store, *, command: str, force: bool = False,
                  single_file: str | None = None, source: str | None = None,
-                 storage_options: dict | None = None):
+                 storage_options: dict | None = None, base: str | None = None):
         self.store, self.command, self.force = store, command, force
+        self.base = base  # a delta pack's base id, in the marker: gc keeps that base
         self.storage_options = storage_options  # to find the packs a replaced base had
         self.single_file = single_file
         self.source = source  # never written into nor removed (``--force`` on the source)
@@ -224,6 +225,8 @@ class OutputDir:
         doc = {"pid": os.getpid(), "host": socket.gethostname(),
                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "command": self.command}
+        if self.base:
+            doc["base"] = self.base
         self._track(WRITING_MARKER)
         self.store.write_atomic(WRITING_MARKER, (json.dumps(doc) + "\n").encode())
 

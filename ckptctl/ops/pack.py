@@ -430,7 +430,8 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
 
     group = group if group is not None else Group()
     dstore = open_store(dst, dst_storage_options)
-    out = OutputDir(dstore, command="pack", force=force, source=store.url)
+    out = OutputDir(dstore, command="pack", force=force, source=store.url,
+                    base=base_info["id"] if base_info else None)
     jobs, batches = _jobs(names, plans, packcodec.CHUNK_SIZE)
     data_of, unit_of = data_layout(jobs, batches, sizes)
 

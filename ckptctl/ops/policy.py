@@ -295,9 +295,12 @@ def _series_reasons(ordered: list[Item], policy: Policy, now: float, grace: floa
             reasons[i.name].append("corrupt, newer than the newest committed")
 
 
-def apply_policy(items, policy: Policy, *, now: float, grace: float = 86400.0) -> Decision:
+def apply_policy(items, policy: Policy, *, now: float, grace: float = 86400.0,
+                 protect: dict[str, str] | None = None) -> Decision:
     """Decide, for every item, keep (with its reasons) or remove. Pure: same inputs, same
-    decision. Every item lands in exactly one of ``keep`` and ``remove``.
+    decision. Every item lands in exactly one of ``keep`` and ``remove``. ``protect``
+    (name -> reason): kept whatever the policy says (``watch``: "not yet in warm"; ``gc``:
+    "holds files not its own"), and like any kept pack, with its base chain.
 
     >>> h = [Item("step-5000", 5000, 10.0, "sealed"), Item("step-6000", 6000, 20.0, "sealed"),
     ...      Item("step-7000", 7000, 30.0, "incomplete"), Item("step-100", 100, 5.0, "sealed", pinned=True)]
@@ -306,6 +309,9 @@ def apply_policy(items, policy: Policy, *, now: float, grace: float = 86400.0) -
     {'step-7000': ['incomplete, younger than grace'], 'step-6000': ['newest committed'], 'step-5000': ['every 5000 steps'], 'step-100': ['every 5000 steps', 'pinned']}
     >>> d.remove
     []
+    >>> apply_policy(h, Policy(last=1), now=40.0, grace=3600,
+    ...              protect={"step-5000": "not yet in warm"}).keep["step-5000"]
+    ['not yet in warm']
     """
     if policy.is_empty:
         raise UsageError("empty policy: give at least one --keep-* rule (gc never removes "
@@ -321,6 +327,9 @@ def apply_policy(items, policy: Policy, *, now: float, grace: float = 86400.0) -
         series.setdefault(i.series, []).append(i)
     for members in series.values():
         _series_reasons(members, policy, now, grace, reasons)
+    for name, why in (protect or {}).items():
+        if name in reasons and why not in reasons[name]:
+            reasons[name].append(why)
     committed = [i for i in ordered if i.committed]
     by_id: dict[str, list[Item]] = {}
     for i in committed:
