@@ -255,6 +255,7 @@ class _Ctx:
     def __init__(self, store, root: str, storage_options, manifests: bool, skipped: dict):
         self.store, self.root, self.opts = store, root, storage_options
         self.manifests, self.skipped = manifests, skipped
+        self.bases: dict = {}  # each delta pack's base chain checked once per ls
 
     def _common(self, rel: str, group: dict[str, int]):
         store = self.store
@@ -289,7 +290,7 @@ class _Ctx:
     def classify(self, rel: str, url: str, located: tuple):
         """(StateReport, step, format, manifest) by reading the checkpoint (``quick``)."""
         try:
-            rep = checkpoint_state(url, self.opts, located=located)
+            rep = checkpoint_state(url, self.opts, located=located, bases=self.bases)
         except StorageError:
             raise  # the storage itself failed: not a finding about one checkpoint
         except CkptError as e:  # one bad checkpoint never hides the others

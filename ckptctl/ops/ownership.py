@@ -224,6 +224,8 @@ def why_not_replace(store, files: dict[str, int],
     "it holds files that are not a checkpoint's (eval/r.json, notes.txt)"
     >>> why_not_replace(None, {".ckptctl-writing": 1, "__0_0.distcp": 8}) is None
     True
+    >>> why_not_replace(None, {"..ckptctl-writing.x1y2.tmp": 0}) is None  # killed mid-marker
+    True
     """
     from ..formats.detect import group_checkpoints
     from ..formats.manifest import PIN_FILE
@@ -244,8 +246,8 @@ def why_not_replace(store, files: dict[str, int],
     foreign = split_owned(files, man)[1]
     if foreign:
         return f"it holds files that are not a checkpoint's ({foreign_list(foreign, 3)})"
-    if WRITING_MARKER in files:
-        return None  # an unfinished ckptctl write: what --force is for
+    if WRITING_MARKER in files or all(is_temp_name(f) for f in files):
+        return None  # an unfinished ckptctl write (or its marker's, killed): what --force is for
     if not groups:
         return "it holds no checkpoint"
     if PIN_FILE in files:

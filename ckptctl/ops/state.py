@@ -33,12 +33,13 @@ class StateReport:
 
 
 def checkpoint_state(url: str, storage_options: dict | None = None, *,
-                     located: tuple | None = None) -> StateReport:
+                     located: tuple | None = None, bases: dict | None = None) -> StateReport:
     """Classify the checkpoint at ``url`` from its metadata (no tensor data is read).
 
     ``located``: the checkpoint's files from a listing the caller already has (``ls``
     lists a whole root once), as :func:`~ckptctl.formats.detect.locate` returns them;
-    then nothing is listed again.
+    then nothing is listed again. ``bases``: shared by one caller's classifications, so
+    each delta pack's base chain is checked once (:func:`~ckptctl.ops.verify.verify`).
 
     >>> checkpoint_state("ckpt/step-100").state             # doctest: +SKIP
     'complete'
@@ -46,7 +47,8 @@ def checkpoint_state(url: str, storage_options: dict | None = None, *,
     if located is not None and MANIFEST in located[1]:  # read by verify and the reader: once
         located[0].cache_small_files({MANIFEST: located[1][MANIFEST]})
     try:
-        r = verify(url, storage_options, level="quick", located=located, uploads=False)
+        r = verify(url, storage_options, level="quick", located=located, uploads=False,
+                   bases=bases)
     except MissingDependencyError as e:  # not a verdict on the checkpoint: say what it needs
         return StateReport(UNKNOWN, e.message, None, None)
     except UnsupportedFormatError as e:  # another framework's layout: not ckptctl's to judge

@@ -84,10 +84,12 @@ class VerifyResult:
         return asdict(self)
 
 
-def base_unrestorable(ps, storage_options: dict | None = None) -> str | None:
+def base_unrestorable(ps, storage_options: dict | None = None,
+                      bases: dict | None = None) -> str | None:
     """Why the delta pack ``ps`` (a :class:`~ckptctl.formats.pack.PackStore`) cannot be
     restored from here, or None when its base chain is all there and committed (or it
     has no base). I/O failures raise (exit 3): they say nothing about the pack.
+    ``bases``: answers already found in this call (base URL and id -> answer).
 
     >>> base_unrestorable(open_pack_url("cold/step-80"))       # doctest: +SKIP
     'its base xxh3-128:9f.. (cold/step-60) is incomplete: NOT_COMMITTED: ...'
@@ -104,13 +106,27 @@ def base_unrestorable(ps, storage_options: dict | None = None) -> str | None:
         raise
     except CkptError as e:
         return f"its base {base['id']} ({where}) cannot be used: {e.message}"
-    errors = [p for p in verify(bstore.url, storage_options, level="quick",
-                                uploads=False).problems if p.severity == "error"]
-    if errors:  # what ls would call it (ops/state.py): incomplete or corrupt, not committed
-        p = errors[0]
-        return (f"its base {base['id']} ({bstore.url}) is not committed: {p.code}: "
-                f"{p.path + ': ' if p.path else ''}{p.message}")
-    return None
+    from ..formats.pack import PackStore
+
+    key = (bstore.url, base["id"])
+    if bases is not None and key in bases:
+        return bases[key]
+    if isinstance(bstore, PackStore):
+        # the resolver checked it is there, not held by a writer, sealed, the right id and
+        # shallower, and opening it checked its files against its manifest: what is left
+        # is its own base, one level down (a listing and two small reads a level)
+        why = base_unrestorable(bstore, storage_options, bases)
+    else:  # the root of the chain: committed and whole, as verify's quick level says
+        errors = [p for p in verify(bstore.url, storage_options, level="quick",
+                                    uploads=False).problems if p.severity == "error"]
+        why = None
+        if errors:  # what ls would call it (ops/state.py): not committed
+            p = errors[0]
+            why = (f"its base {base['id']} ({bstore.url}) is not committed: {p.code}: "
+                   f"{p.path + ': ' if p.path else ''}{p.message}")
+    if bases is not None:
+        bases[key] = why
+    return why
 
 
 class _Checker:
@@ -210,7 +226,7 @@ class _Checker:
         against (one listing and manifest read per base, no tensor data)."""
         from ..formats.pack import PackStore
 
-        reason = base_unrestorable(self.store, self.opts) \
+        reason = base_unrestorable(self.store, self.opts, getattr(self, "bases", None)) \
             if isinstance(self.store, PackStore) else None
         if reason:
             self.add("MISSING_BASE", reason, path=self.store.display(MANIFEST))
@@ -695,8 +711,11 @@ def verify(url: str, storage_options: dict | None = None, *, level: str = "struc
            sample: float | None = None, workers: int = 4,
            on_bytes: Callable[[int], None] | None = None, located: tuple | None = None,
            checkpoint: Checkpoint | None = None, uploads: bool = True,
-           on_total: Callable[[int], None] | None = None, group=None) -> VerifyResult:
-    """Check the checkpoint at ``url``; problems are collected, not raised.
+           on_total: Callable[[int], None] | None = None, group=None,
+           bases: dict | None = None) -> VerifyResult:
+    """Check the checkpoint at ``url``; problems are collected, not raised. ``bases``: a
+    dict one caller shares across many verifies (``ls`` of a root of delta packs), so
+    each base chain is checked once, not once per pack above it.
 
     Raises only when the place cannot be read at all (exit 3): not found, unreachable.
     A caller that has already listed or opened the checkpoint passes it on, so nothing is
@@ -710,8 +729,10 @@ def verify(url: str, storage_options: dict | None = None, *, level: str = "struc
     result holds every finding (``bytes_read``: all processes together).
     """
     _check_args(level, sample)
-    return _Checker(url, storage_options, level, require, check_finite, sample, workers,
-                    on_bytes, located, checkpoint, uploads, on_total, group=group).run()
+    c = _Checker(url, storage_options, level, require, check_finite, sample, workers,
+                 on_bytes, located, checkpoint, uploads, on_total, group=group)
+    c.bases = bases
+    return c.run()
 
 
 @dataclass
