@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from conftest import run_cli
@@ -21,32 +20,10 @@ from conftest import run_cli
 from ckptctl.formats.manifest import MANIFEST, Manifest
 from ckptctl.formats.pack import PACK_INDEX
 from ckptctl.ops.promote import promote
-from ckptctl.ops.seal import seal
+from test_gc_packs import _ckpt, _files  # the same sealed checkpoints as the gc pack tests
 
 
-def _weights(step: int) -> dict[str, np.ndarray]:
-    """A frozen embedding, a trained layer that moves with ``step``, an int buffer."""
-    g = np.random.default_rng(0)
-    emb = g.standard_normal((64, 32)).astype(np.float32)
-    layer = g.standard_normal((32, 32)).astype(np.float16)
-    moved = (layer.astype(np.float32) + 1e-2 * np.random.default_rng(step).standard_normal(
-        layer.shape)).astype(np.float16)
-    return {"emb.weight": emb, "layer.weight": moved,
-            "pos": np.arange(16, dtype=np.int64) + step}
-
-
-def _ckpt(path: Path, step: int) -> Path:
-    from safetensors.numpy import save_file
-
-    path.mkdir(parents=True)
-    save_file(_weights(step), str(path / "model.safetensors"))
-    seal(str(path))
-    return path
-
-
-def _tree(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*"))
-            if p.is_file()}
+_tree = _files  # every file of a folder, by relative path, with its bytes
 
 
 class Place:
