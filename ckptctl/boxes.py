@@ -122,3 +122,49 @@ class BoxIndex:
             if hit is not None:
                 out.append((i, hit))
         return out
+
+
+def flat_range_boxes(shape: Sequence[int], start: int, stop: int) -> list[tuple[Box, int]]:
+    """The boxes that elements ``[start, stop)`` of a row-major tensor of ``shape`` make
+    up, in flat order, each with the flat index of its first element. Each box's elements
+    are contiguous in flat order, so a flat range of bytes (a ZeRO partition's piece of a
+    parameter) becomes at most ``2 * ndim - 1`` chunks of the one logical model.
+
+    >>> flat_range_boxes((3, 4), 2, 9)
+    [(((0, 2), (1, 2)), 2), (((1, 0), (1, 4)), 4), (((2, 0), (1, 1)), 8)]
+    >>> flat_range_boxes((3, 4), 4, 12), flat_range_boxes((), 0, 1), flat_range_boxes((5,), 2, 2)
+    ([(((1, 0), (2, 4)), 4)], [(((), ()), 0)], [])
+    """
+    shape = tuple(shape)
+    if not 0 <= start <= stop <= math.prod(shape):
+        raise ValueError(f"range [{start}, {stop}) outside a tensor of shape {list(shape)}")
+    out: list[tuple[Box, int]] = []
+
+    def walk(dims: tuple[int, ...], lo: int, hi: int, off: tuple[int, ...], base: int) -> None:
+        if lo == hi:
+            return
+        ones = (1,) * len(off)  # the dims above: one index each
+        if not dims:
+            out.append(((off, ones), base))
+            return
+        inner = math.prod(dims[1:])
+        if lo % inner == 0 and hi % inner == 0:
+            out.append(((off + (lo // inner,) + (0,) * (len(dims) - 1),
+                         ones + (hi // inner - lo // inner,) + dims[1:]), base + lo))
+            return
+        r0, r1 = lo // inner, hi // inner
+        if r0 == r1:  # inside one row
+            walk(dims[1:], lo - r0 * inner, hi - r0 * inner, off + (r0,), base + r0 * inner)
+            return
+        first = r0
+        if lo % inner:
+            walk(dims[1:], lo % inner, inner, off + (r0,), base + r0 * inner)
+            first = r0 + 1
+        if r1 > first:
+            out.append(((off + (first,) + (0,) * (len(dims) - 1),
+                         ones + (r1 - first,) + dims[1:]), base + first * inner))
+        if hi % inner:
+            walk(dims[1:], 0, hi % inner, off + (r1,), base + r1 * inner)
+
+    walk(shape, start, stop, (), 0)
+    return out

@@ -1,18 +1,23 @@
 """The parts of a training state (model, optim, lr_scheduler, rng, step, dataloader,
-meta) and which part an entry belongs to, from its name alone. A leaf: layout's presets
+meta, and DeepSpeed's ``module16``: the module's own 16-bit weights beside the fp32
+master weights of ``model``) and which part an entry belongs to, from its name alone. A leaf: layout's presets
 place only model and optimizer entries, ops report state closure with it
 (:mod:`ckptctl.ops.closure`).
 
->>> [classify(n) for n in ("model.layers.0.wq.weight", "optim.state.w.step", "epoch", "rng.cpu")]
-['model', 'optim', 'meta', 'rng']
+>>> [classify(n) for n in ("model.layers.0.wq.weight", "optim.state.w.step", "epoch", "rng.cpu",
+...  "module16.lin.weight")]
+['model', 'optim', 'meta', 'rng', 'module16']
 """
 from __future__ import annotations
 
 import re
 
-PARTS = ("model", "optim", "lr_scheduler", "rng", "step", "dataloader", "meta")
+PARTS = ("model", "optim", "lr_scheduler", "rng", "step", "dataloader", "meta", "module16")
+#: Parts that only some formats have: a state closure names them only where present.
+OPTIONAL_PARTS = ("module16",)
 
 _RULES = [
+    ("module16", re.compile(r"^module16\.")),
     ("meta", re.compile(r"^(callbacks|loops|hyper_parameters|hparams|hparams_name|hparams_type|"
                         r"datamodule_hyper_parameters|datamodule_hparams_name|epoch|"
                         r"pytorch-lightning_version|lightning_version|custom|meta|scaler|"

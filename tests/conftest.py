@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["fixtures_torch", "fixtures_s3", "fixtures_thirdparty"]
+pytest_plugins = ["fixtures_torch", "fixtures_s3", "fixtures_thirdparty", "fixtures_deepspeed"]
 collect_ignore = ["fixtures"]  # generator scripts, run by fixtures_torch / fixtures_thirdparty
 
 TESTS = Path(__file__).parent

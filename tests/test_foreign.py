@@ -1,6 +1,9 @@
 """Formats ckptctl does not read are refused by name, never read in part (issue 17,
-items 7 and 8): DeepSpeed ZeRO save folders, tag folders and universal checkpoints,
-Megatron-core ``torch_dist`` and legacy folders, Orbax (OCDBT). A run folder given where
+items 7 and 8): DeepSpeed pipeline and MoE layouts, one rank's file of a DeepSpeed
+checkpoint, an HF Trainer folder holding a DeepSpeed tag, Megatron-core ``torch_dist``
+and legacy folders, Orbax (OCDBT). (DeepSpeed ZeRO tag folders, save folders and
+universal checkpoints are read since issue 18: tests/test_deepspeed.py; the synthetic
+ones here lack what real ones hold and read as corrupt, by name.) A run folder given where
 one checkpoint is expected says how many it holds; ``verify ROOT --all`` verifies each;
 an empty S3 prefix is an empty place.
 
@@ -132,6 +135,20 @@ def orbax_ocdbt(step: Path) -> Path:
     return step
 
 
+def deepspeed_pipeline(tag: Path) -> Path:
+    """A pipeline-parallel tag folder: per-layer model states beside the rank's."""
+    _save(tag / "mp_rank_00_model_states.pt", {"module": None, "global_steps": 5})
+    _save(tag / "layer_01-model_00-model_states.pt", {"weight": [1.0]})
+    return tag
+
+
+def deepspeed_moe(tag: Path) -> Path:
+    """A MoE tag folder: expert model states beside the ZeRO files."""
+    deepspeed_zero12(tag)
+    _save(tag / "expert_0_mp_rank_00_model_states.pt", {"w": [1.0]})
+    return tag
+
+
 def hf_trainer_with_deepspeed(ck: Path) -> Path:
     """The HF Trainer under DeepSpeed: the model and trainer files at the top, the
     optimizer in DeepSpeed's tag folder beside ``latest`` (reading the top alone would
@@ -154,6 +171,8 @@ def zoo(tmp_path_factory) -> Path:
     deepspeed_zero3(root / "ds3")
     deepspeed_zero12(root / "ds12" / "global_step5")
     deepspeed_universal(root / "uni" / "global_step10_universal")
+    deepspeed_pipeline(root / "pipe" / "global_step5")
+    deepspeed_moe(root / "moe" / "global_step5")
     megatron_dist(root / "meg" / "iter_0000010")
     (root / "meg" / "latest_checkpointed_iteration.txt").write_text("10")
     megatron_legacy(root / "legacy" / "iter_0000010")
@@ -165,14 +184,12 @@ def zoo(tmp_path_factory) -> Path:
 
 # (path under the zoo, words the refusal names)
 REFUSED = [
-    ("ds3", "DeepSpeed ZeRO-3 (model and optimizer partitions), a save folder of 2"),
-    ("ds3/global_step10", "DeepSpeed ZeRO-3 (model and optimizer partitions)"),
     ("ds3/global_step10/zero_pp_rank_0_mp_rank_00_model_states.pt", "DeepSpeed ZeRO-3"),
     ("ds3/global_step10/zero_pp_rank_1_mp_rank_00_optim_states.pt", "DeepSpeed ZeRO"),
-    ("ds12/global_step5", "DeepSpeed ZeRO-1/2 (optimizer partitions)"),
     ("ds12/global_step5/mp_rank_00_model_states.pt", "DeepSpeed (model states)"),
-    ("uni/global_step10_universal", "DeepSpeed universal checkpoint"),
     ("uni/global_step10_universal/zero/lin.weight/fp32.pt", "DeepSpeed universal checkpoint"),
+    ("pipe/global_step5", "DeepSpeed pipeline (per-layer model states)"),
+    ("moe/global_step5", "DeepSpeed MoE (expert model states)"),
     ("meg", "Megatron-core torch_dist, a save folder of 1 checkpoint (iter_0000010)"),
     ("meg/iter_0000010", "Megatron-core torch_dist"),
     ("legacy/iter_0000010", "Megatron legacy"),
@@ -207,22 +224,22 @@ def test_verbs_refuse_by_name(zoo, cli, tmp_path, rel, words):
 
 
 def test_verify_json_names_the_framework(zoo, cli):
-    code, out, err = cli("verify", str(zoo / "ds3" / "global_step10"), "--json")
+    code, out, err = cli("verify", str(zoo / "pipe" / "global_step5"), "--json")
     assert code == 3
     e = json.loads(out)["error"]
     assert e["code"] == "UNSUPPORTED_FORMAT" and e["exit_code"] == 3
-    assert FOREIGN + "DeepSpeed ZeRO-3" in e["message"]
+    assert FOREIGN + "DeepSpeed pipeline" in e["message"]
 
 
 @pytest.mark.parametrize("verb", ["seal", "pack", "reshard", "diff"])
 def test_writers_refuse_by_name(zoo, cli, tmp_path, verb):
-    src = str(zoo / "ds12" / "global_step5")
+    src = str(zoo / "pipe" / "global_step5")
     args = {"seal": (src,), "pack": (src, str(tmp_path / "p")),
             "reshard": (src, str(tmp_path / "r"), "--world-size", "2"),
             "diff": (src, str(zoo / "plain" / "step-42"))}[verb]
     code, out, err = cli(verb, *args)
     assert (code, out) == (3, ""), (verb, err)
-    assert FOREIGN + "DeepSpeed ZeRO-1/2" in _one_line(err)
+    assert FOREIGN + "DeepSpeed pipeline" in _one_line(err)
     assert not list(Path(src).glob("ckptctl.*")) and not list(tmp_path.iterdir())
 
 
@@ -231,8 +248,8 @@ def test_library_raises_unsupported_format(zoo):
     from ckptctl.formats import open_checkpoint
     from ckptctl.ops import verify
 
-    with pytest.raises(UnsupportedFormatError, match="DeepSpeed universal"):
-        open_checkpoint(str(zoo / "uni" / "global_step10_universal"))
+    with pytest.raises(UnsupportedFormatError, match="DeepSpeed MoE"):
+        open_checkpoint(str(zoo / "moe" / "global_step5"))
     with pytest.raises(UnsupportedFormatError, match="Megatron-core torch_dist"):
         verify(str(zoo / "meg" / "iter_0000010"), level="quick")
 
@@ -270,13 +287,16 @@ def test_ls_lists_each_foreign_checkpoint_as_one_unknown_row(zoo, cli):
     assert code == 0, err
     rows = {r["name"]: r for r in json.loads(out)["checkpoints"]}
     assert set(rows) == {"ds3/global_step10", "ds3/global_step20", "ds12/global_step5",
-                         "uni/global_step10_universal", "meg/iter_0000010",
-                         "legacy/iter_0000010", "orbax/10", "hf/checkpoint-500",
-                         "plain/step-42"}
+                         "uni/global_step10_universal", "pipe/global_step5", "moe/global_step5",
+                         "meg/iter_0000010", "legacy/iter_0000010", "orbax/10",
+                         "hf/checkpoint-500", "plain/step-42"}
     assert rows["plain/step-42"]["state"] == "complete"
-    want = {"ds3/global_step10": ("deepspeed", "DeepSpeed ZeRO-3"),
-            "ds12/global_step5": ("deepspeed", "DeepSpeed ZeRO-1/2"),
-            "uni/global_step10_universal": ("deepspeed", "DeepSpeed universal checkpoint"),
+    for name in ("ds3/global_step10", "ds12/global_step5"):  # lack what real ones hold
+        assert (rows[name]["format"], rows[name]["state"]) == ("deepspeed", "corrupt"), rows[name]
+    uni = rows["uni/global_step10_universal"]
+    assert (uni["format"], uni["state"]) == ("deepspeed-universal", "complete"), uni
+    want = {"pipe/global_step5": ("deepspeed", "DeepSpeed pipeline"),
+            "moe/global_step5": ("deepspeed", "DeepSpeed MoE"),
             "meg/iter_0000010": ("megatron", "Megatron-core torch_dist"),
             "legacy/iter_0000010": ("megatron", "Megatron legacy"),
             "orbax/10": ("orbax", "Orbax (OCDBT)"),
@@ -285,17 +305,16 @@ def test_ls_lists_each_foreign_checkpoint_as_one_unknown_row(zoo, cli):
         r = rows[name]
         assert (r["format"], r["state"]) == (fmt, "unknown"), r
         assert r["reason"].startswith(FOREIGN + words), r
-    uni = rows["uni/global_step10_universal"]
     assert uni["num_files"] == 1 + 3 * 4 + 1  # every file of the tree, none dropped
     code, out, _ = cli("ls", str(zoo))
-    assert "corrupt" not in out and "torch" not in out
+    assert "torch" not in out
 
 
 def test_ls_of_one_foreign_checkpoint_or_file(zoo, cli):
-    code, out, err = cli("ls", str(zoo / "uni" / "global_step10_universal"), "--json")
+    code, out, err = cli("ls", str(zoo / "pipe" / "global_step5"), "--json")
     assert code == 0, err
     (row,) = json.loads(out)["checkpoints"]
-    assert (row["format"], row["state"], row["num_files"]) == ("deepspeed", "unknown", 14)
+    assert (row["format"], row["state"], row["num_files"]) == ("deepspeed", "unknown", 2)
     f = zoo / "ds3" / "global_step10" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
     code, out, err = cli("ls", str(f), "--json")
     assert code == 0, err
@@ -309,19 +328,19 @@ def test_ls_from_the_listing_alone_does_not_call_them_complete(zoo):
     from ckptctl.ops import ls
 
     rows = {r.name: r for r in ls(str(zoo), check="listing").checkpoints}
-    for name in ("meg/iter_0000010", "ds3/global_step10", "orbax/10"):
+    for name in ("meg/iter_0000010", "pipe/global_step5", "orbax/10"):
         assert rows[name].state == "unknown" and rows[name].exact, rows[name]
 
 
 def test_gc_keeps_what_it_cannot_read(tmp_path, cli):
     """Rows of state unknown are kept whatever the policy (gc's rail)."""
     run = tmp_path / "run"
-    deepspeed_zero3(run, tags=("global_step10",))
+    deepspeed_pipeline(run / "global_step10")
     write_tiny_dcp(run / "step-20")
     write_tiny_dcp(run / "step-30")
     code, out, err = cli("gc", str(run), "--keep-last", "1", "--json")
     assert code == 0, err
-    assert (run / "global_step10" / "zero_pp_rank_0_mp_rank_00_model_states.pt").exists()
+    assert (run / "global_step10" / "layer_01-model_00-model_states.pt").exists()
     assert not (run / "step-20").exists() and (run / "step-30").exists()
 
 
@@ -394,13 +413,13 @@ def test_verify_all_with_a_bad_one(run, cli):
 
 
 def test_verify_all_reports_what_it_cannot_read(run, cli):
-    deepspeed_zero12(run / "global_step5")
+    deepspeed_pipeline(run / "global_step5")
     code, out, err = cli("verify", str(run), "--all", "--json")
     assert code == 1, err
     doc = json.loads(out)
     ds = {c["name"]: c for c in doc["checkpoints"]}["global_step5"]
     assert not ds["ok"] and ds["error"]["code"] == "UNSUPPORTED_FORMAT"
-    assert FOREIGN + "DeepSpeed ZeRO-1/2" in ds["error"]["message"]
+    assert FOREIGN + "DeepSpeed pipeline" in ds["error"]["message"]
     code, out, err = cli("verify", str(run), "--all")
     assert code == 1 and "3 OK, 1 not read" in out
 
@@ -435,13 +454,13 @@ def test_ls_of_an_empty_s3_prefix_is_an_empty_place(s3_bucket, cli, tmp_path):
 
 
 def test_foreign_layout_on_s3(zoo, s3_bucket, cli):
-    s3_bucket.upload(zoo / "ds3", "ds3")
-    code, out, err = cli("inspect", s3_bucket.url("ds3/global_step10"), *_opts(s3_bucket))
-    assert code == 3 and FOREIGN + "DeepSpeed ZeRO-3" in _one_line(err)
-    code, out, err = cli("ls", s3_bucket.url("ds3"), "--json", *_opts(s3_bucket))
+    s3_bucket.upload(zoo / "pipe", "pipe")
+    code, out, err = cli("inspect", s3_bucket.url("pipe/global_step5"), *_opts(s3_bucket))
+    assert code == 3 and FOREIGN + "DeepSpeed pipeline" in _one_line(err)
+    code, out, err = cli("ls", s3_bucket.url("pipe"), "--json", *_opts(s3_bucket))
     assert code == 0, err
     assert [(r["name"], r["state"]) for r in json.loads(out)["checkpoints"]] == \
-        [("global_step10", "unknown"), ("global_step20", "unknown")]
+        [("global_step5", "unknown")]
 
 
 # ------------------------------------------------------------------ names alone

@@ -55,7 +55,9 @@ def inspect(
         return
     step = f"step {r.step} (from {r.step_source})" if r.step is not None else "step unknown"
     say(f"{r.url}", quiet=quiet)
-    say(f"  format   {r.format}, {step}, {'sealed' if r.sealed else 'not sealed'}", quiet=quiet)
+    origin = f" ({r.origin})" if r.origin else ""
+    say(f"  format   {r.format}{origin}, {step}, {'sealed' if r.sealed else 'not sealed'}",
+        quiet=quiet)
     if r.pack:
         pk = r.pack
         say(f"  pack     ratio {pk['ratio']:.2f} ({human_bytes(pk['pack_bytes'])} stored), "
@@ -76,6 +78,8 @@ def inspect(
         f"({dims}), {lay['replicated_tensors']} stored whole"
         + (f", mesh guess {lay['mesh_guess']}" if lay["mesh_guess"] else ""), quiet=quiet)
     say("  closure  " + "  ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r.closure.items()), quiet=quiet)
+    for note in r.notes:
+        say(f"  note     {note}", quiet=quiet)
     if tree:
         say("", quiet=quiet)
         print_table(["module", "tensors", "params", "bytes"],

@@ -21,7 +21,7 @@ import re
 from ..errors import CkptError, FormatError, UnsupportedFormatError, UsageError
 from ..model import Checkpoint, natural_key
 from ..storage import Store
-from . import composite, dcp, foreign, safetensors, torchsave
+from . import composite, dcp, deepspeed, foreign, safetensors, torchsave
 from .locate import file_format as _file_format
 from .locate import locate
 from .manifest import MANIFEST, WRITING_MARKER, read_manifest
@@ -126,7 +126,21 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
     # another framework's layout is refused by name, never read in part (formats/foreign.py)
     fmt = foreign.refuse_if_foreign(url, files, store, single) \
         or (_file_format(single) if single else detect_format(files))
-    if fmt == "dcp":
+    if fmt == "deepspeed-save":  # DeepSpeed's save folder: the tag its `latest` names
+        tag = deepspeed.latest_tag(store, files)
+        if tag is None:
+            refuse_if_several(url, files)
+            raise UnsupportedFormatError(url, "a DeepSpeed save folder without a `latest` "
+                                         "file: name a tag folder")
+        ck = open_checkpoint(url.rstrip("/") + "/" + tag, storage_options, strict=strict,
+                             read_step=read_step, allow_incomplete=allow_incomplete)
+        ck.info["save_folder"] = url
+        return ck
+    if fmt == "deepspeed":
+        ck = deepspeed.read_deepspeed(store, files)
+    elif fmt == "deepspeed-universal":
+        ck = deepspeed.read_universal(store, files)
+    elif fmt == "dcp":
         try:
             ck = dcp.read_dcp(store, files, strict=strict)
         except FormatError:  # Megatron-core's .metadata: say what the folder is

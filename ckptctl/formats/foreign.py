@@ -41,6 +41,8 @@ _DS_LAYER = re.compile(r"^layer_\d+-.*model_states\.pt$")
 _DS_EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
 _DS_SCRIPT = "zero_to_fp32.py"
 _DS_LATEST = ("latest", "latest_universal")
+#: What DeepSpeed (and ckptctl) put at a save folder's top beside the tag folders.
+_DS_SAVE_SIDE = {*_DS_LATEST, _DS_SCRIPT, "zero_to_torch.py", "ckptctl.manifest.json"}
 #: ``ds_to_universal``'s output: ``zero/<param>/fp32.pt`` (+ ``exp_avg``, ``exp_avg_sq``,
 #: ``step``) and ``zero/optimizer_state.pt``, beside the copied ``*_model_states.pt``.
 _DS_UNIVERSAL = re.compile(r"^zero/(?:[^/]+/(?:fp32|exp_avg|exp_avg_sq|step)|optimizer_state)"
@@ -217,6 +219,13 @@ def refuse_if_foreign(url: str, files: dict[str, int], store=None,
     name = recognise(listing)
     if name is None:
         return None
+    if single and _deepspeed_read(name):  # one rank's file of a layout read as a folder
+        raise not_read(url, f"{name}: one file of a DeepSpeed checkpoint; open the folder "
+                       "that holds it")
+    if not single and (read := _deepspeed_read(name)):
+        top = {f for f in files if "/" not in f}
+        if read != "deepspeed-save" or top <= _DS_SAVE_SIDE:
+            return read  # a save folder with other checkpoint files at its top stays refused
     if name == MEGATRON_DIST and store is not None and not single:
         backend = _megatron_backend(store, files[_MEG_CONFIG])
         if backend:
@@ -224,6 +233,19 @@ def refuse_if_foreign(url: str, files: dict[str, int], store=None,
         elif _MEG_COMMON not in files and ".metadata" in files:
             return "dcp"  # a metadata.json of someone else's beside a DCP checkpoint
     raise not_read(url, name)
+
+
+def _deepspeed_read(name: str) -> str | None:
+    """The format ckptctl reads a DeepSpeed layout ``recognise`` named as, or None (refused):
+    ZeRO tag folders (``deepspeed``), universal checkpoints and save folders."""
+    if not name.startswith("DeepSpeed"):
+        return None
+    if ", a save folder of " in name:
+        return "deepspeed-save" if name.startswith(("DeepSpeed ZeRO", "DeepSpeed universal")) \
+            else None
+    if name == "DeepSpeed universal checkpoint":
+        return "deepspeed-universal"
+    return "deepspeed" if name.startswith("DeepSpeed ZeRO") else None
 
 
 def refuse_megatron_plans(url: str, store, files: dict[str, int]) -> None:

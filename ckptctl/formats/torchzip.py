@@ -184,14 +184,14 @@ class StoredTensor:
         return self.storage_offset + sum((s - 1) * st for s, st in zip(self.size, self.stride)) + 1
 
 
-class _StorageType:
+class StorageType:
     __slots__ = ("dtype",)
 
     def __init__(self, dtype: str | None):
         self.dtype = dtype  # None: UntypedStorage (bytes; the dtype comes with the tensor)
 
 
-class _Storage:
+class StorageRef:
     __slots__ = ("dtype", "key", "numel")
 
     def __init__(self, dtype, key, numel):
@@ -207,7 +207,7 @@ def _ints(v, what: str, where: str) -> tuple[int, ...]:
 
 
 def _rebuild(storage, storage_offset, size, stride, *rest, dtype=None, where=""):
-    if not isinstance(storage, _Storage):
+    if not isinstance(storage, StorageRef):
         raise FormatError(where or None, "data.pkl: tensor without a storage", code="MALFORMED_CHUNK")
     dt = storage.dtype or dtype
     if dt is None:
@@ -229,7 +229,7 @@ def _rebuild(storage, storage_offset, size, stride, *rest, dtype=None, where="")
     return StoredTensor(dt, str(storage.key), numel, storage_offset, size, stride)
 
 
-def _tensor_globals(where: str) -> dict:
+def tensor_globals(where: str) -> dict:
     from ..model import DTYPES
     from .torchwrite import TYPED_STORAGE
 
@@ -249,9 +249,9 @@ def _tensor_globals(where: str) -> dict:
                      ("torch._utils", "_rebuild_parameter"): parameter,
                      ("torch._utils", "_rebuild_parameter_with_state"): parameter,
                      ("collections", "OrderedDict"): dict,
-                     ("torch.storage", "UntypedStorage"): _StorageType(None)}
+                     ("torch.storage", "UntypedStorage"): StorageType(None)}
     for dtype, cls in TYPED_STORAGE.items():
-        allowed[("torch", cls)] = _StorageType(dtype)
+        allowed[("torch", cls)] = StorageType(dtype)
     for name in DTYPES:
         allowed[("torch", name)] = name
     return allowed
@@ -275,15 +275,15 @@ def storage_dtypes(data: bytes, *, where: str = "") -> dict[str, str]:
 
     class _Unpickler(RestrictedUnpickler):
         def persistent_load(self, pid):
-            if isinstance(pid, tuple) and len(pid) == 5 and isinstance(pid[1], _StorageType):
+            if isinstance(pid, tuple) and len(pid) == 5 and isinstance(pid[1], StorageType):
                 if pid[1].dtype:
                     found.setdefault(str(pid[2]), pid[1].dtype)
-                return _Storage(pid[1].dtype, pid[2], pid[4] if isinstance(pid[4], int) else 0)
+                return StorageRef(pid[1].dtype, pid[2], pid[4] if isinstance(pid[4], int) else 0)
             raise FormatError(where or None, "data.pkl: unexpected storage reference",
                               code="MALFORMED_CHUNK")
 
     try:
-        _Unpickler(_io.BytesIO(data), _tensor_globals(where)).load()
+        _Unpickler(_io.BytesIO(data), tensor_globals(where)).load()
     except Exception:  # noqa: BLE001 - what was seen before the refusal is the answer
         pass
     return found
@@ -308,14 +308,14 @@ def parse_tensor_pickle(data: bytes, *, where: str = "") -> StoredTensor:
     class _Unpickler(RestrictedUnpickler):
         def persistent_load(self, pid):
             if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
-                    or not isinstance(pid[1], _StorageType) or not isinstance(pid[4], int)
+                    or not isinstance(pid[1], StorageType) or not isinstance(pid[4], int)
                     or pid[4] < 0):
                 raise FormatError(where or None, "data.pkl: unexpected storage reference",
                                   code="MALFORMED_CHUNK")
-            return _Storage(pid[1].dtype, pid[2], pid[4])
+            return StorageRef(pid[1].dtype, pid[2], pid[4])
 
     try:
-        obj = _Unpickler(_io.BytesIO(data), _tensor_globals(where)).load()
+        obj = _Unpickler(_io.BytesIO(data), tensor_globals(where)).load()
     except (FormatError, UnsafeInputError) as e:
         if isinstance(e, UnsafeInputError):
             raise UnsafeInputError(where or None, f"data.pkl: {e.message} (not a plain tensor)") from None

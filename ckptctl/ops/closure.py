@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from ..parts import PARTS, classify  # noqa: F401 - re-exported: ops name parts here
+from ..parts import OPTIONAL_PARTS, PARTS, classify  # noqa: F401 - re-exported: ops name parts here
 
 
 #: Tensors that models register as buffers, not parameters (BatchNorm statistics, position

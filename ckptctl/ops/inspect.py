@@ -13,7 +13,7 @@ from ..errors import UsageError, shorten
 from ..formats import open_checkpoint, read_object
 from ..formats.composite import OPAQUE
 from ..model import Checkpoint, layout_summary, natural_key
-from .closure import PARTS, classify, is_parameter
+from .closure import OPTIONAL_PARTS, PARTS, classify, is_parameter
 
 
 @dataclass
@@ -67,6 +67,10 @@ class InspectResult:
     metadata: dict = field(default_factory=dict)
     #: a pack read as the checkpoint it holds: ratio, base id, chain depth, chunks by mode
     pack: dict | None = None
+    #: what another framework's layout is (``DeepSpeed ZeRO-3, 2 ranks, bf16``), and what
+    #: its reader could not map (a tied name whose target the files do not record)
+    origin: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,7 +117,7 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
             params.add(t.name)
         else:
             num_buffers += t.numel
-    closure = {p: False for p in PARTS}
+    closure = {p: False for p in PARTS if p not in OPTIONAL_PARTS}
     for name in list(ck.tensors) + list(ck.objects):
         closure[classify(name)] = True
     if ck.step is not None and ck.info.get("step_source") in ("manifest", "entry"):
@@ -137,6 +141,8 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
     objects.sort(key=lambda o: natural_key(o.name))
     shown = sorted((t for t in tensors if keep(t.name)), key=lambda t: natural_key(t.name))
     lay = layout_summary(ck)
+    if ck.info.get("origin"):  # flat partitions cut tensors anywhere: no mesh to guess
+        lay.mesh_guess = None
     meta = ck.info.get("metadata") or {}
     return InspectResult(
         url=ck.root, format=ck.format, step=ck.step, step_source=ck.info.get("step_source"),
@@ -146,7 +152,7 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
         dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])),
         layout=asdict(lay), closure=closure, sealed=ck.info.get("manifest") is not None,
         tensors=shown, objects=objects, tree=_tree(shown, params) if tree else [], metadata=meta,
-        pack=ck.info.get("pack"))
+        pack=ck.info.get("pack"), origin=ck.info.get("origin"), notes=list(ck.info.get("notes", [])))
 
 
 def _jsonable(v):
