@@ -130,7 +130,9 @@ def consolidate(
                               help="New folder (or a .pt/.bin file name with --to torch); "
                                    "path, s3://..., TIER:NAME."),
     to: str = typer.Option("safetensors", "--to", metavar="FORMAT",
-                           help="safetensors (HF layout), torch (torch.save) or dcp."),
+                           help="safetensors (HF layout), torch (torch.save), dcp, or "
+                                "deepspeed-universal (DeepSpeed resumes it at any world "
+                                "size)."),
     only: Optional[str] = typer.Option(None, "--only", metavar="PART",
                                        help="Only these state parts: model, optim (comma list)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", metavar="DTYPE",
@@ -154,7 +156,8 @@ def consolidate(
     src_option: Optional[List[str]] = SrcOpt,
     dst_option: Optional[List[str]] = DstOpt,
 ):
-    """Write one full tensor per entry (safetensors, torch.save or DCP), then seal it.
+    """Write one full tensor per entry (safetensors, torch.save, DCP or a DeepSpeed
+    universal checkpoint), then seal it.
 
     safetensors output follows the HF convention: model.safetensors, or
     model-00001-of-0000N.safetensors + model.safetensors.index.json; files are named
@@ -164,6 +167,11 @@ def consolidate(
     in the manifest like the weights. An object entry the safe loader refuses (what seal
     refuses) is never carried: it exits 1 unless left out with --drop.
 
+    --to deepspeed-universal writes DST as DeepSpeed's universal tag folder (zero/<param>/
+    fp32.pt, exp_avg.pt, exp_avg_sq.pt, step.pt; zero/optimizer_state.pt; model-states
+    files for ZeRO-1/2 and ZeRO-3 engines) and then latest_universal beside it, so
+    engine.load_checkpoint(PARENT) with "checkpoint": {"load_universal": true} resumes it.
+
     \b
     EXAMPLES
       ckptctl consolidate ckpt/ hf/ --only model --strip-prefix model.
@@ -171,6 +179,7 @@ def consolidate(
       ckptctl consolidate s3://runs/llama/step-12000 hf/ --max-shard-size 2GB
       ckptctl consolidate hf-run/checkpoint-500 hf/ --include 'README.md'
       ckptctl consolidate warm:step-12000 cold:hf-12000 --only model
+      ckptctl consolidate fsdp/step-200 ds/global_step200_universal --to deepspeed-universal
     """
     from ..ops import consolidate as do_consolidate
     from ..ops.distributed import Group
@@ -193,8 +202,13 @@ def consolidate(
         _say_share(group, r.bytes, r.files, r.seconds, quiet)
         return
     _say_dropped(r.dropped, quiet)
+    if r.derived:
+        say(f"not stored (16-bit copies of model.*, which DeepSpeed rebuilds): "
+            f"{_first(r.derived, len(r.derived))} ({len(r.derived)} in all)", quiet=quiet)
+    where = ", ".join(r.files) if len(r.files) <= 6 else \
+        f"{len(r.files)} files ({', '.join(r.files[:3])}, ...)"
     say(f"{r.dst}: {r.to}, {plural(r.num_tensors, 'tensor')}, {plural(r.num_objects, 'object')}"
-        f"; {human_bytes(r.bytes)} in {', '.join(r.files)} ({r.seconds:.2f}s)", quiet=quiet)
+        f"; {human_bytes(r.bytes)} in {where} ({r.seconds:.2f}s)", quiet=quiet)
     if r.side_files:
         say(f"side files carried from the source: {', '.join(r.side_files)}", quiet=quiet)
     if r.manifest_id:

@@ -49,6 +49,10 @@ class TensorRef:
         return math.prod(self.shape)
 
 
+class TorchSize(tuple):
+    """A shape pickled as ``torch.Size`` (what DeepSpeed's ``param_shapes`` hold)."""
+
+
 def _strides(shape) -> tuple[int, ...]:
     out, acc = [], 1
     for s in reversed(shape):
@@ -104,6 +108,8 @@ class _StateDictPickler(pickle._Pickler):  # the Python pickler: its dispatch ca
         return obj.pid if isinstance(obj, _StorageId) else None
 
     def reducer_override(self, obj):
+        if isinstance(obj, TorchSize):
+            return (_Global("torch", "Size"), (list(obj),))
         if not isinstance(obj, TensorRef):
             return NotImplemented
         stride = _strides(obj.shape)

@@ -8,14 +8,13 @@ single-rank DCP checkpoint; streamed in row blocks with bounded memory, then sea
 """
 from __future__ import annotations
 
-import io
 import math
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .._deps import check_torch
-from ..errors import UsageError, shorten
+from ..errors import UsageError
 from ..formats.composite import refuse_opaque
 from ..formats.detect import open_checkpoint
 from ..formats.safetensors_write import index_json, shard_names, split_shards, write_file
@@ -24,14 +23,14 @@ from ..model import DTYPES, Checkpoint, dtype_from_name
 from ..storage import HashingWriter, Store, open_store, split_url
 from .closure import classify, parse_parts
 from .commit import commit_written
-from .copier import (BlockStream, check_objects, copy_to_dcp, dtype_converter,
-                     object_payload, stream_depth)
+from .copier import (BlockStream, check_objects, copy_to_dcp, decode_object,
+                     dtype_converter, nest, stream_depth)
 from .inspect import few_names
 from .output import OutputDir
 from .planner import consolidation_plan, dropped
 from .reshard import DEFAULT_MAX_MEMORY, parse_size
 
-TARGETS = ("safetensors", "torch", "dcp")
+TARGETS = ("safetensors", "torch", "dcp", "deepspeed-universal")
 
 
 @dataclass
@@ -48,6 +47,8 @@ class ConsolidateResult:
     renamed: dict[str, str] = field(default_factory=dict)
     side_files: list[str] = field(default_factory=list)  # carried from SRC (in ``files`` too)
     dropped: list[str] = field(default_factory=list)  # entries left out (``drop``)
+    #: entries a target rebuilds from others and so does not store (DeepSpeed's module16)
+    derived: list[str] = field(default_factory=list)
     num_files: int = field(init=False, default=0)
 
     def __post_init__(self):
@@ -239,6 +240,25 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     renamed = {n: _out_name(n, strip_prefix) for n in tensors + objects}
     if len(set(renamed.values())) != len(renamed):
         raise UsageError("--strip-prefix makes two entries collide")
+    if to == "deepspeed-universal":
+        if strip_prefix is not None:
+            raise UsageError("--strip-prefix renames entries of a safetensors or torch "
+                             "output; a universal checkpoint names parameters itself")
+        if group.rank != 0:
+            return ConsolidateResult(src, dst, to, [], len(tensors), len(objects), 0,
+                                     round(time.monotonic() - t0, 3), dropped=gone)
+        from .universal import write_universal
+
+        # the 16-bit copies of model.* (DeepSpeed's module16): DeepSpeed rebuilds them
+        copies = [n for n in tensors if classify(n) == "module16"]
+        tensors = [n for n in tensors if n not in set(copies)]
+        hashes, mid = write_universal(ck, dst, tensors=tensors, objects=objects, plan=plan,
+                                      max_memory=max_memory, opts=opts, force=force,
+                                      on_bytes=on_bytes)
+        return ConsolidateResult(src, dst, to, sorted(hashes), len(tensors), len(objects),
+                                 sum(n for _, n in hashes.values()),
+                                 round(time.monotonic() - t0, 3), mid, dropped=gone,
+                                 derived=copies)
     if to == "torch" and group.rank != 0:  # one file: rank 0's; the others have no share
         return ConsolidateResult(src, dst, to, [], len(tensors), len(objects), 0,
                                  round(time.monotonic() - t0, 3), dropped=gone)
@@ -329,55 +349,6 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_s
     return _Written(od.store, {rel: (d, n) for rel, (d, n) in done["hashes"].items()}, True)
 
 
-def _nest(items: list[tuple[tuple, object]]):
-    """Rebuild the nested state dict from (path, value) pairs (ints index lists)."""
-    root: dict = {}
-    for path, value in items:
-        node = root
-        for i, key in enumerate(path[:-1]):
-            nxt = path[i + 1]
-            if isinstance(node, list):
-                while len(node) <= key:
-                    node.append(None)
-                if node[key] is None:
-                    node[key] = [] if isinstance(nxt, int) else {}
-                node = node[key]
-            else:
-                node = node.setdefault(key, [] if isinstance(nxt, int) else {})
-        last = path[-1]
-        if isinstance(node, list):
-            while len(node) <= last:
-                node.append(None)
-            node[last] = value
-        else:
-            node[last] = value
-    return root
-
-
-def _decode_object(ck: Checkpoint, name: str):
-    o = ck.objects[name]
-    if o.extent is None or o.extent.encoding == "torch_save":
-        return o.value
-    from ..errors import CkptError
-    from ..formats.tensorio import read_object
-
-    try:  # plain data (numbers, strings, lists): no torch, no globals
-        return read_object(ck, o)
-    except CkptError:
-        pass
-    import pickle
-
-    import torch
-
-    try:
-        return torch.load(io.BytesIO(object_payload(ck, name)), weights_only=True)
-    except (pickle.UnpicklingError, RuntimeError) as e:
-        from ..errors import UnsafeInputError
-
-        raise UnsafeInputError(ck.store.display(o.extent.file), f"{name}: object refused by the "
-                               f"weights-only loader ({shorten(e, 100)})") from None
-
-
 def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype, strip,
                  on_bytes, force) -> _Written:
     from ..formats.torchwrite import TensorRef, TorchZipWriter, pickle_state
@@ -402,8 +373,8 @@ def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype, st
         return p
 
     refs = {n: TensorRef(str(i), out_dtype(n), ck.tensors[n].shape) for i, n in enumerate(tensors)}
-    tree = _nest([(out_path(n), refs[n]) for n in tensors]
-                 + [(out_path(n), _decode_object(ck, n)) for n in objects])
+    tree = nest([(out_path(n), refs[n]) for n in tensors]
+                 + [(out_path(n), decode_object(ck, n)) for n in objects])
     s = stream(tensors, 1)
     with od:
         with od.open(fname) as f:

@@ -22,7 +22,7 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from ..errors import Finding, FormatError, ProblemCode, UnsafeInputError
+from ..errors import Finding, FormatError, ProblemCode, UnsafeInputError, shorten
 from ..formats.dcp_write import DcpWriter
 from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows, read_rows_into
 from ..model import Checkpoint
@@ -438,3 +438,58 @@ def _copy_to_dcp_shared(ck, plan, dst, *, max_memory, workers, storage_options, 
     if isinstance(done, Copied):
         return done
     return Copied({rel: (d, n) for rel, (d, n) in done["hashes"].items()}, None)
+
+
+def nest(items: list[tuple[tuple, object]]):
+    """Rebuild the nested state dict from (path, value) pairs (ints index lists).
+
+    >>> nest([(("a", "b"), 1), (("c", 0), 2)])
+    {'a': {'b': 1}, 'c': [2]}
+    """
+    root: dict = {}
+    for path, value in items:
+        node = root
+        for i, key in enumerate(path[:-1]):
+            nxt = path[i + 1]
+            if isinstance(node, list):
+                while len(node) <= key:
+                    node.append(None)
+                if node[key] is None:
+                    node[key] = [] if isinstance(nxt, int) else {}
+                node = node[key]
+            else:
+                node = node.setdefault(key, [] if isinstance(nxt, int) else {})
+        last = path[-1]
+        if isinstance(node, list):
+            while len(node) <= last:
+                node.append(None)
+            node[last] = value
+        else:
+            node[last] = value
+    return root
+
+
+def decode_object(ck: Checkpoint, name: str):
+    """An object entry's value for a writer that pickles it again: plain data without
+    torch, else torch's weights-only loader (anything it refuses is refused by name)."""
+    o = ck.objects[name]
+    if o.extent is None or o.extent.encoding == "torch_save":
+        return o.value
+    from ..errors import CkptError
+    from ..formats.tensorio import read_object
+
+    try:  # plain data (numbers, strings, lists): no torch, no globals
+        return read_object(ck, o)
+    except CkptError:
+        pass
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(object_payload(ck, name)), weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError) as e:
+        from ..errors import UnsafeInputError
+
+        raise UnsafeInputError(ck.store.display(o.extent.file), f"{name}: object refused by the "
+                               f"weights-only loader ({shorten(e, 100)})") from None
