@@ -58,6 +58,7 @@ bench: venv
 	$(BIN)/python bench/verify_bench.py
 	$(BIN)/python bench/consolidate_bench.py
 	$(BIN)/python bench/exact_bench.py
+	$(BIN)/python bench/deepspeed_bench.py
 	$(BIN)/python bench/promote_bench.py
 	$(BIN)/python bench/pack_bench.py
 
