@@ -1,7 +1,12 @@
-"""``consolidate --to deepspeed-universal`` (issue 18): a universal checkpoint written by
-ckptctl from an FSDP2 DCP checkpoint (written by torch on 2 ranks) and from a ZeRO-2 one,
-resumed by DeepSpeed itself (``load_checkpoint`` with ``load_universal``) at another world
-size and stage, with weights and Adam state equal to the source bit for bit.
+"""Resuming at a new world size (issue 18), in the frameworks themselves:
+
+* ``consolidate --to deepspeed-universal``: a universal checkpoint written by ckptctl from an
+  FSDP2 DCP checkpoint (written by torch on 2 ranks) and from a ZeRO-2 one, resumed by
+  DeepSpeed (``load_checkpoint`` with ``load_universal``) at another world size and stage;
+* ``reshard`` of a ZeRO-3 bf16 checkpoint into DCP at 3 ranks, resumed by FSDP2
+  (``dcp.load`` + ``set_state_dict``);
+
+each with weights and Adam state equal to the source bit for bit.
 
 The resumes run DeepSpeed under ``torch.distributed.run`` (``tests/fixtures/resume_deepspeed.py``);
 the FSDP2 source is ``tests/fixtures/write_fsdp_tinylm.py`` (the DeepSpeed fixtures' model).
@@ -112,3 +117,24 @@ def test_what_a_universal_checkpoint_cannot_hold_is_refused(tmp_path, cli):
     code, out, err = cli("consolidate", str(src), str(dst), "--to", UNIVERSAL,
                          "--strip-prefix", "model.")
     assert code == 2 and "--strip-prefix" in err
+
+
+def test_zero3_resharded_to_dcp_resumes_in_fsdp2(deepspeed_ckpts, tmp_path, cli):
+    """ZeRO-3 bf16 on 2 ranks -> reshard --world-size 3 -> FSDP2 on 3 ranks loads it: the
+    fp32 master weights, moments, steps and hyper-parameters DeepSpeed itself held."""
+    v = deepspeed_ckpts.variant("z3-bf16")
+    dst = tmp_path / "fsdp" / "step-3"
+    code, out, err = cli("reshard", str(v.save_dir), str(dst), "--world-size", "3")
+    assert code == 0, err
+    res_path = tmp_path / "res.pt"
+    _run_fresh(_torchrun(3, GENERATORS / "load_fsdp_tinylm.py", "--load", dst, "--out",
+                         res_path), tmp_path / "load.log", res_path)
+    res = torch.load(res_path, weights_only=False)
+    want = _trained(v.load_full())
+    assert want
+    for k, ref in want.items():
+        kind, _, name = k.partition(".")
+        got = res["model"][name] if kind == "param" else res["optim"]["state"][name][kind]
+        assert torch.equal(torch.as_tensor(got).float(), torch.as_tensor(ref).float()), k
+    assert [g["weight_decay"] for g in res["param_groups"]] == [0.1, 0.0]
+    assert [g["betas"] for g in res["param_groups"]] == [(0.9, 0.95)] * 2
