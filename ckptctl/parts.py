@@ -21,7 +21,7 @@ _RULES = [
     ("meta", re.compile(r"^(callbacks|loops|hyper_parameters|hparams|hparams_name|hparams_type|"
                         r"datamodule_hyper_parameters|datamodule_hparams_name|epoch|"
                         r"pytorch-lightning_version|lightning_version|custom|meta|scaler|"
-                        r"native_amp_scaling_state|amp_scaling_state|trainer_state)(_\d+)?(\.|$)")),
+                        r"native_amp_scaling_state|amp_scaling_state|trainer_state|client_state)(_\d+)?(\.|$)")),
     ("optim", re.compile(r"^(optim|optimizer|optimizers|opt|optimizer_states?)(_\d+)?(\.|$)|"
                          r"(^|\.)(exp_avg|exp_avg_sq|param_groups|momentum_buffer)(\.|$)")),
     ("lr_scheduler", re.compile(r"^(lr_schedulers?|schedulers?|sched)(_\d+)?(\.|$)")),

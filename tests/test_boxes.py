@@ -101,3 +101,43 @@ def test_planner_pieces_tile_every_target_box(rows, cols, src_parts, dst_parts, 
             got[dst] = part
         want = whole[region(tc.offsets, tc.sizes)]
         assert (got == want).all()
+
+
+@st.composite
+def flat_ranges(draw):
+    """(shape, a, b): a shape of 1 to 4 dims (sizes 0 to 6) and a flat range inside it."""
+    shape = tuple(draw(st.lists(st.integers(0, 6), min_size=1, max_size=4)))
+    n = int(np.prod(shape))
+    a = draw(st.integers(0, n))
+    return shape, a, draw(st.integers(a, n))
+
+
+@settings(max_examples=500, deadline=None)
+@given(flat_ranges())
+def test_flat_range_boxes_tile_the_range_in_flat_order(case):
+    """The boxes of a ZeRO partition's flat piece [a, b): each box's elements are one run
+    of consecutive flat indices starting at the box's base, the runs follow each other in
+    order and make up exactly [a, b), no box is empty, and there are at most 2*ndim-1."""
+    from ckptctl.boxes import flat_range_boxes
+
+    shape, a, b = case
+    grid = np.arange(int(np.prod(shape))).reshape(shape)
+    boxes = flat_range_boxes(shape, a, b)
+    assert len(boxes) <= 2 * len(shape) - 1
+    runs = []
+    for (offsets, sizes), base in boxes:
+        assert len(offsets) == len(sizes) == len(shape) and numel((offsets, sizes)) > 0
+        assert all(o >= 0 and o + s <= d for o, s, d in zip(offsets, sizes, shape))
+        got = grid[region(offsets, sizes)].ravel()  # row-major: the box's flat order
+        assert (got == np.arange(base, base + got.size)).all()
+        runs.append(got)
+    flat = np.concatenate(runs) if runs else np.arange(0)
+    assert (flat == np.arange(a, b)).all()
+
+
+def test_flat_range_boxes_refuses_a_range_outside_the_tensor():
+    from ckptctl.boxes import flat_range_boxes
+
+    for a, b in ((0, 13), (-1, 2), (5, 4)):
+        with pytest.raises(ValueError):
+            flat_range_boxes((3, 4), a, b)

@@ -20,8 +20,8 @@ The entries: ``model.<name>`` (the fp32 master weights, frozen parameters, buffe
 names), ``optim.state.<name>.<exp_avg|exp_avg_sq|step>`` and ``optim.param_groups.<g>.*``
 (torch DCP's names, padding removed), ``module16.<name>`` (the module's own weights as
 saved: 16-bit in bf16/fp16 runs; ZeRO-3 saves none but buffers), ``lr_scheduler.*``,
-``step`` (``global_steps``), ``meta.deepspeed.*`` (DeepSpeed's bookkeeping) and the client
-state under its own names.
+``step`` (``global_steps``), ``meta.deepspeed.*`` (DeepSpeed's bookkeeping) and
+``client_state.*`` (what ``save_checkpoint(client_state=...)`` was given).
 
 Refused by name: pipeline-parallel layer files, MoE expert files, tensor-parallel
 ``mp_rank_01`` and up (DeepSpeed does not record how to join TP shards), a tag folder
@@ -53,6 +53,10 @@ _EXPERT = re.compile(r"expert_\d+|expp_rank_\d+")
 #: ``ds_to_universal``'s tree: ``zero/<param>/<state>.pt``, ``zero/optimizer_state.pt``.
 _UNIVERSAL = re.compile(r"^zero/([^/]+)/(fp32|exp_avg|exp_avg_sq|step)\.pt$")
 LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"
+#: The prefix of the client state's entries (``client_state.epoch``): ``load_checkpoint``
+#: returns it as one dict, and the names never meet DeepSpeed's own (``step``).
+CLIENT = "client_state"
 #: A ``latest`` file names a tag: a short single folder name, nothing more.
 _TAG = re.compile(r"^[A-Za-z0-9_.=+-]{1,200}$")
 
@@ -298,6 +302,7 @@ def read_deepspeed(store: Store, files: dict[str, int]) -> Checkpoint:
     _param_groups(b, shapes, osds[0], optim[0].where, stage)
     _rest(b, msd, osds[0], models[0], optim[0])
     ck.info["origin"] = describe(ck)
+    ck.info["zip_files"] = [m.rel for m in models] + [o.rel for o in optim]  # CRC-checked
     return ck
 
 
@@ -499,8 +504,9 @@ def _buffers_and_module(b: _Builder, msd: dict, model, stage: int) -> None:
     buffers = msd.get("buffer_names") or []
     for name in buffers:
         st = module.get(name)
-        if isinstance(st, StoredTensor):
+        if isinstance(st, StoredTensor) and f"model.{name}" not in b.ck.tensors:
             b.stored(f"model.{name}", model, st)
+    b.ck.info.setdefault("buffers", set()).update(f"model.{n}" for n in buffers)
     shared = msd.get("shared_params") or {}
     aliases = b.ck.info.setdefault("aliases", {})
     for alias, target in _dict(shared, where, "shared_params").items():
@@ -571,30 +577,31 @@ def _rest(b: _Builder, msd: dict, osd: dict, model, optim) -> None:
     for k in _OPTIM_META_KEYS:
         if osd.get(k) is not None:
             b.objects(f"meta.deepspeed.optimizer.{k}", osd[k], optim, tensors=False)
-    for k, v in msd.items():
+    for k, v in msd.items():  # what save_checkpoint(client_state=...) was given
         if k not in _DS_MODEL_KEYS:
-            b.objects(str(k), v, model)
+            b.objects(f"{CLIENT}.{k}", v, model)
 
 
 # ------------------------------------------------------------------ save folders
 
 def latest_tag(store: Store, files: dict[str, int]) -> str | None:
-    """The tag a save folder's ``latest`` file names, when it names one of the folder's
-    tag folders; None when there is no ``latest``. A ``latest`` naming anything else
+    """The tag a save folder's ``latest`` (else ``latest_universal``) file names, when it
+    names one of the folder's tag folders; None when there is neither. A ``latest`` naming anything else
     (a path, a missing folder) is refused."""
-    if LATEST not in files:
+    name = LATEST if LATEST in files else LATEST_UNIVERSAL if LATEST_UNIVERSAL in files else None
+    if name is None:
         return None
-    if files[LATEST] > 4096:
-        raise FormatError(store.display(LATEST), "is no DeepSpeed tag file (too large)")
-    raw = store.read(LATEST)
+    if files[name] > 4096:
+        raise FormatError(store.display(name), "is no DeepSpeed tag file (too large)")
+    raw = store.read(name)
     try:
         tag = raw.decode("utf-8").strip()
     except UnicodeDecodeError:
-        raise FormatError(store.display(LATEST), "is no DeepSpeed tag file (not text)") from None
+        raise FormatError(store.display(name), "is no DeepSpeed tag file (not text)") from None
     if not _TAG.match(tag) or tag in (".", ".."):
-        raise FormatError(store.display(LATEST), f"names {tag[:60]!r}, not a tag folder")
+        raise FormatError(store.display(name), f"names {tag[:60]!r}, not a tag folder")
     if not any(f.startswith(tag + "/") for f in files):
-        raise FormatError(store.display(LATEST), f"names tag {tag}, which this folder does "
+        raise FormatError(store.display(name), f"names tag {tag}, which this folder does "
                           "not hold")
     return tag
 
@@ -675,9 +682,38 @@ def read_universal(store: Store, files: dict[str, int]) -> Checkpoint:
                 b.ck.objects[f"optim.param_groups.{g}.{k}"] = ObjectEntry(
                     f"optim.param_groups.{g}.{k}", None, value=_plain(v), type_name="object")
     if model is not None:
+        _universal_rest(b, store, files, tf_, msd, model)
         _rest(b, msd, {}, model, model)
     ck.info["origin"] = describe(ck)
+    ck.info["zip_files"] = sorted(t.rel for t in loaded) + ([model.rel] if model else [])
     return ck
+
+
+def _universal_rest(b: _Builder, store: Store, files: dict[str, int], tf_: TagFiles,
+                    msd: dict, model) -> None:
+    """What the copied model-states files hold that ``zero/`` may not: frozen parameters
+    (ZeRO-3: in every rank's file), buffers and tied names."""
+    shapes = msd.get("frozen_param_shapes") or {}
+    missing = {n: s for n, s in _dict(shapes, model.where, "frozen_param_shapes").items()
+               if f"model.{n}" not in b.ck.tensors}
+    if missing:
+        zero3 = _ZERO3_MODEL.match(model.rel) is not None
+        models = _parallel(lambda f: _load(store, f, files[f]), tf_.model) if zero3 else [model]
+        _frozen(b, {**msd, "frozen_param_shapes": missing}, models, 3 if zero3 else 1,
+                len(models))
+    module = _dict(msd.get("module") or {}, model.where, "module")
+    for name in msd.get("buffer_names") or []:
+        st = module.get(name)
+        if isinstance(st, StoredTensor) and f"model.{name}" not in b.ck.tensors:
+            b.stored(f"model.{name}", model, st)
+    b.ck.info.setdefault("buffers", set()).update(f"model.{n}" for n in msd.get("buffer_names") or [])
+    aliases = b.ck.info.setdefault("aliases", {})
+    for alias, target in _dict(msd.get("shared_params") or {}, model.where, "shared_params").items():
+        t = b.ck.tensors.get(f"model.{target}")
+        if t is not None and f"model.{alias}" not in b.ck.tensors:
+            b.ck.tensors[f"model.{alias}"] = TensorEntry(f"model.{alias}", t.dtype, t.shape,
+                                                         list(t.chunks))
+            aliases[f"model.{alias}"] = f"model.{target}"
 
 
 def describe(ck: Checkpoint) -> str:

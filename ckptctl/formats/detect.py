@@ -129,9 +129,8 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
     if fmt == "deepspeed-save":  # DeepSpeed's save folder: the tag its `latest` names
         tag = deepspeed.latest_tag(store, files)
         if tag is None:
-            refuse_if_several(url, files)
-            raise UnsupportedFormatError(url, "a DeepSpeed save folder without a `latest` "
-                                         "file: name a tag folder")
+            tags = sorted({f.split("/", 1)[0] for f in files if "/" in f}, key=natural_key)
+            raise several(url.rstrip("/") + "/", tags, None) from None
         ck = open_checkpoint(url.rstrip("/") + "/" + tag, storage_options, strict=strict,
                              read_step=read_step, allow_incomplete=allow_incomplete)
         ck.info["save_folder"] = url
@@ -167,7 +166,7 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
         raise UnsupportedFormatError(url, "no checkpoint format recognised (expected DCP "
                                      ".metadata, *.safetensors or *.pt/*.bin files; found "
                                      f"{shown}{', ...' if len(files) > 5 else ''})")
-    ck.root = url
+    ck.root = getattr(located[0], "opened_as", None) or url  # a save folder: its latest tag
     ck.info["manifest"] = read_manifest(store, files) if not single else None
     if isinstance(store, PackStore):  # inspect shows what the pack holds and its ratio
         ck.info["pack"] = store.info()

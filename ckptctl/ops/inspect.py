@@ -105,6 +105,7 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
     num_params = num_buffers = 0
     params: set[str] = set()
     aliases = ck.info.get("aliases") or {}  # tied weights: two names, one storage
+    buffers = ck.info.get("buffers") or set()  # what the format records as buffers
     for ti, t in zip(tensors, ck.tensors.values()):
         d = dtypes.setdefault(ti.dtype, {"tensors": 0, "elements": 0, "bytes": 0})
         d["tensors"] += 1
@@ -112,7 +113,7 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
         d["bytes"] += t.nbytes
         if ti.part != "model" or t.name in aliases:
             continue
-        if is_parameter(t.name, t.dtype):
+        if is_parameter(t.name, t.dtype) and t.name not in buffers:
             num_params += t.numel
             params.add(t.name)
         else:

@@ -283,9 +283,11 @@ def _source(src: str, options: dict | None, workers: int, *, seal_source: bool |
     (its manifest, computed by the caller) is given; left unsealed, its manifest exists
     in memory only (``files`` has none) and is packed from there."""
     from ..formats.detect import locate
+    from ..formats.locate import refuse_save_folder
     from ..formats.pack import pack_view
 
     located = pack_view(locate(src, options), options)
+    refuse_save_folder(located, src, "pack")
     store, files, single = located
     if single:
         raise UsageError("pack takes a checkpoint folder (a lone file has no place for its "

@@ -44,7 +44,7 @@ def _folder(url: str, storage_options: dict | None):
     hold a pin (it has no folder of its own)."""
     from ..formats.detect import locate
 
-    store, files, single = locate(url, storage_options)
+    store, files, single = locate(url, storage_options, follow_latest=False)
     if single is not None:
         raise UsageError(f"{url}: a single-file checkpoint has no folder to hold a pin; "
                          "move it into a folder of its own to pin it")

@@ -43,6 +43,7 @@ from typing import Callable
 
 from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
 from ..formats.detect import locate
+from ..formats.locate import refuse_save_folder
 from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest, is_control_file
 from ..storage import open_store
 from ..storage.journal import Journal, journal_path_for
@@ -100,7 +101,8 @@ def _source(src: str, options: dict | None, *, dry_run: bool, workers: int,
     """(store, listing, manifest, its bytes, sealed by us) of the source checkpoint; an
     unsealed one is hashed (:func:`~.seal.seal_or_hash`), its manifest then maybe only in
     memory (the listing has no manifest)."""
-    store, files, single = locate(src, options)
+    store, files, single = located = locate(src, options)
+    refuse_save_folder(located, src, "promote")
     if single:
         raise UsageError("promote takes a checkpoint folder (a lone file has no place for "
                          "its manifest); put the file in its own folder", src)

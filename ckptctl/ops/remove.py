@@ -167,7 +167,7 @@ def remove(url: str, storage_options: dict | None = None, *, force: bool = False
     from ..formats.detect import locate
     from .ls import group_checkpoints
 
-    store, files, single = locate(url, storage_options)
+    store, files, single = locate(url, storage_options, follow_latest=False)
     if single is None and "" not in group_checkpoints(files):
         raise UsageError(f"{store.url}: not a checkpoint folder (rm removes one checkpoint; "
                          "`ckptctl ls` shows them, `ckptctl gc` removes many)")

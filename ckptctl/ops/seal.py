@@ -28,6 +28,7 @@ from typing import Callable
 from .._deps import MissingDependencyError
 from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
 from ..formats.detect import locate, open_checkpoint
+from ..formats.locate import refuse_save_folder
 from ..formats.manifest import MANIFEST, Manifest, is_control_file, is_temp_name
 from ..storage import Store, digest_bytes, hash_file, normalize_algo, open_store
 from .commit import commit, manifest_for
@@ -92,6 +93,7 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
     t0 = time.monotonic()
     algo = normalize_algo(hash or "xxh3-128")
     located = locate(url, storage_options)
+    refuse_save_folder(located, url, "seal")
     store, files, single = located
     if single:
         raise UsageError("seal takes a checkpoint folder (the manifest lives beside the "
@@ -151,6 +153,7 @@ def manifest_of(url: str, storage_options: dict | None = None, *, hash: str | No
     """
     algo = normalize_algo(hash or "xxh3-128")
     located = located or locate(url, storage_options)
+    refuse_save_folder(located, url, "seal")
     store, files, single = located
     if single:
         raise UsageError("a lone file has no place for its manifest; put the file in its "

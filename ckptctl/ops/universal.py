@@ -30,6 +30,7 @@ import posixpath
 import struct
 
 from ..errors import UsageError
+from ..formats.deepspeed import CLIENT
 from ..model import Checkpoint
 from ..storage import HashingWriter, open_store
 from .closure import classify
@@ -176,7 +177,9 @@ def write_universal(ck: Checkpoint, dst: str, *, tensors: list[str], objects: li
         "checkpoint_parallel_dimensions": {"pp_degree": 1, "tp_degree": 1},
         "ds_config": {}, "ds_version": DS_VERSION,
         "universal_checkpoint_info": {"universal_checkpoint_version": UNIVERSAL_VERSION},
-        **_nested(ck, client),
+        **_nested(ck, {k: n for k, n in client.items() if not k.startswith(CLIENT + ".")}),
+        **_nested(ck, {k: n for k, n in client.items() if k.startswith(CLIENT + ".")},
+                  CLIENT + "."),  # a DeepSpeed source's client state: top-level again
     }
     step_ref = TensorRef("0", "float32", ())
     optimizer_state = {"param_groups": groups, "ds_version": DS_VERSION,

@@ -31,6 +31,7 @@ from ..errors import (CkptError, ProblemCode, StorageError, UnsupportedFormatErr
                       UsageError)
 from ..formats import dcp
 from ..formats.detect import locate, open_checkpoint, resolve_step
+from ..formats.locate import refuse_save_folder
 from ..formats.manifest import (MANIFEST, WRITING_MARKER, is_control_file, is_temp_name,
                                 read_manifest, writer_unfinished)
 from ..model import Checkpoint, TensorEntry
@@ -155,6 +156,7 @@ class _Checker:
         from ..formats.pack import pack_view  # ls hands over a pack folder's own listing
 
         located = pack_view(self.located or locate(self.url, self.opts), self.opts)
+        refuse_save_folder(located, self.url, "verify")
         store, files, single = located
         self.store, self.files = store, files
         from .ownership import is_control_temp
@@ -529,6 +531,7 @@ class _Checker:
                        if c.extent.encoding == "torch_save"}
         torch_files |= {o.extent.file for o in ck.objects.values()
                         if o.extent is not None and o.extent.encoding == "torch_save"}
+        torch_files |= set(ck.info.get("zip_files", ()))  # DeepSpeed's rank files
         if not sealed and torch_files:
             from ..formats.tensorio import zip_entries
             from ..model import Extent
