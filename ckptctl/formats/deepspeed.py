@@ -45,13 +45,15 @@ from ..storage import Store
 from .safe_pickle import Record, record_class
 from .torchzip import StoredTensor
 
-_ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-_MODEL = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
-_OPTIM = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+#: DeepSpeed's file names: ZeRO-3 model states per dp rank, ZeRO-1/2 model states per mp
+#: rank, optimizer partitions per (dp, mp) rank (``bf16_``/``fp16_`` prefixed by BF16 runs).
+ZERO3_MODEL = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+MODEL_FILE = re.compile(r"^mp_rank_(\d+)_model_states\.pt$")
+OPTIM_FILE = re.compile(r"^(?:bf16_|fp16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _LAYER = re.compile(r"^layer_\d+")
 _EXPERT = re.compile(r"expert_\d+|expp_rank_\d+")
 #: ``ds_to_universal``'s tree: ``zero/<param>/<state>.pt``, ``zero/optimizer_state.pt``.
-_UNIVERSAL = re.compile(r"^zero/([^/]+)/(fp32|exp_avg|exp_avg_sq|step)\.pt$")
+UNIVERSAL_FILE = re.compile(r"^zero/([^/]+)/(fp32|exp_avg|exp_avg_sq|step)\.pt$")
 LATEST = "latest"
 LATEST_UNIVERSAL = "latest_universal"
 #: The prefix of the client state's entries (``client_state.epoch``): ``load_checkpoint``
@@ -108,13 +110,13 @@ def tag_files(files: dict[str, int]) -> TagFiles:
     for f in files:
         if "/" in f:
             continue
-        if m := _ZERO3_MODEL.match(f):
+        if m := ZERO3_MODEL.match(f):
             zero3.append((int(m.group(1)), f))
             t.mp_ranks.add(int(m.group(2)))
-        elif m := _MODEL.match(f):
+        elif m := MODEL_FILE.match(f):
             t.model.append(f)
             t.mp_ranks.add(int(m.group(1)))
-        elif m := _OPTIM.match(f):
+        elif m := OPTIM_FILE.match(f):
             optim.append((int(m.group(1)), f))
             t.mp_ranks.add(int(m.group(2)))
         elif f.endswith("_states.pt") and (_LAYER.match(f) or _EXPERT.search(f)):
@@ -608,7 +610,7 @@ def latest_tag(store: Store, files: dict[str, int]) -> str | None:
 
 def is_universal(files: dict[str, int]) -> bool:
     """A ``ds_to_universal`` output folder: ``zero/<param>/fp32.pt`` beside model states."""
-    return any(_UNIVERSAL.match(f) for f in files)
+    return any(UNIVERSAL_FILE.match(f) for f in files)
 
 
 def read_universal(store: Store, files: dict[str, int]) -> Checkpoint:
@@ -634,7 +636,7 @@ def read_universal(store: Store, files: dict[str, int]) -> Checkpoint:
             shapes[n] = _shape(s, model.where, n)
     per_param: dict[str, dict[str, str]] = {}
     for f in files:
-        if m := _UNIVERSAL.match(f):
+        if m := UNIVERSAL_FILE.match(f):
             per_param.setdefault(m.group(1), {})[m.group(2)] = f
     names = sorted(per_param)
     loaded = _parallel(lambda f: _load(store, f, files[f]),
@@ -697,7 +699,7 @@ def _universal_rest(b: _Builder, store: Store, files: dict[str, int], tf_: TagFi
     missing = {n: s for n, s in _dict(shapes, model.where, "frozen_param_shapes").items()
                if f"model.{n}" not in b.ck.tensors}
     if missing:
-        zero3 = _ZERO3_MODEL.match(model.rel) is not None
+        zero3 = ZERO3_MODEL.match(model.rel) is not None
         models = _parallel(lambda f: _load(store, f, files[f]), tf_.model) if zero3 else [model]
         _frozen(b, {**msd, "frozen_param_shapes": missing}, models, 3 if zero3 else 1,
                 len(models))

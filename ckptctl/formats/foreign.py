@@ -30,19 +30,20 @@ import re
 
 from ..errors import CkptError, StorageError, UnsupportedFormatError
 from ..model import natural_key
+from .deepspeed import ZERO3_MODEL
+from .locate import DEEPSPEED_SAVE_SIDE
 
 #: DeepSpeed's own globs: ``*_model_states.pt`` (``mp_rank_XX_``, ZeRO-3's
 #: ``zero_pp_rank_D_mp_rank_XX_``, pipeline ``layer_XX-...-``, MoE ``..._expert_E_...``)
 #: and ``*optim_states.pt`` (``[bf16_]zero_pp_rank_D_mp_rank_XX_``, MoE ``expp_rank_X_...``).
 _DS_MODEL = re.compile(r"(?:(?:^|_)mp_rank_\d+_|^layer_\d+-.*)model_states\.pt$")
 _DS_OPTIM = re.compile(r"(?:^|_)mp_rank_\d+_?optim_states\.pt$")
-_DS_ZERO3_MODEL = re.compile(r"^(?:bf16_)?zero_pp_rank_\d+_mp_rank_\d+_model_states\.pt$")
 _DS_LAYER = re.compile(r"^layer_\d+-.*model_states\.pt$")
 _DS_EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
 _DS_SCRIPT = "zero_to_fp32.py"
 _DS_LATEST = ("latest", "latest_universal")
 #: What DeepSpeed (and ckptctl) put at a save folder's top beside the tag folders.
-_DS_SAVE_SIDE = {*_DS_LATEST, _DS_SCRIPT, "zero_to_torch.py", "ckptctl.manifest.json"}
+_DS_SAVE_SIDE = {*DEEPSPEED_SAVE_SIDE, "ckptctl.manifest.json"}
 #: ``ds_to_universal``'s output: ``zero/<param>/fp32.pt`` (+ ``exp_avg``, ``exp_avg_sq``,
 #: ``step``) and ``zero/optimizer_state.pt``, beside the copied ``*_model_states.pt``.
 _DS_UNIVERSAL = re.compile(r"^zero/(?:[^/]+/(?:fp32|exp_avg|exp_avg_sq|step)|optimizer_state)"
@@ -75,7 +76,7 @@ def _deepspeed(names: set[str]) -> str | None:
     optim = {n for n in names if _DS_OPTIM.search(n)}
     if not model and not optim:
         return None
-    if any(_DS_ZERO3_MODEL.match(n) for n in model):
+    if any(ZERO3_MODEL.match(n) for n in model):
         return "DeepSpeed ZeRO-3 (model and optimizer partitions)" if optim else \
             "DeepSpeed ZeRO-3 (model partitions)"
     if any(_DS_LAYER.match(n) for n in model):
