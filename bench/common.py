@@ -6,6 +6,8 @@
 * :func:`evict` / :func:`resident_bytes` drop files from the page cache with
   ``posix_fadvise(POSIX_FADV_DONTNEED)`` and check how much of them is still cached;
 * :func:`warm` reads files once so that the next reads come from the page cache;
+* :func:`run_rounds` runs commands round-robin, cold or warm, and measures each run
+  (with :func:`flush`, :func:`remove` and :func:`median` beside it);
 * :func:`table` renders a Markdown table (printed to the terminal and written to
   ``BENCHMARKS.md``); :func:`write_section` replaces the text between
   ``<!-- bench:NAME -->`` and ``<!-- /bench:NAME -->`` in ``BENCHMARKS.md``;
@@ -28,6 +30,7 @@ import subprocess
 import threading
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,6 +170,78 @@ def warm(paths, block: int = 8 << 20) -> None:
         with open(p, "rb", buffering=0) as f:
             while f.readinto(buf):
                 pass
+
+
+# --------------------------------------------------------------------------- rounds
+def flush(p: Path) -> float:
+    """fdatasync every file of ``p`` (a file or a folder); returns the seconds it took."""
+    t0 = time.perf_counter()
+    for f in ([p] if p.is_file() else files_of(p)):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
+    return time.perf_counter() - t0
+
+
+def remove(p: Path) -> None:
+    """Delete ``p``, a file or a folder, if it exists."""
+    if p.is_dir():
+        shutil.rmtree(p)
+    elif p.exists():
+        p.unlink()
+
+
+def median(xs):
+    """The middle of ``xs`` (the mean of the two middle ones when their count is even)."""
+    xs = sorted(xs)
+    n = len(xs)
+    return (xs[n // 2] + xs[(n - 1) // 2]) / 2
+
+
+def run_rounds(cmds: dict[str, tuple[list[str], Path]], reps: int, inputs: list[Path],
+               cold: bool, keep: set[str], log, *, env: dict | None = None,
+               output_ok: Callable[[Path], str | None] | None = None,
+               tag: str = "") -> tuple[dict[str, Series], dict[str, list[float]], int]:
+    """Each command of ``cmds`` ({name: (argv, output path)}) ``reps`` times, round-robin.
+
+    Before each run its output is removed and the ``inputs`` are dropped from the page
+    cache (``cold``, see :func:`evict`) or read once (:func:`warm`); after it the output is
+    ``fdatasync``-ed (timed apart, see :func:`flush`) and removed, but for the names in
+    ``keep`` on the last round. A run that exits non-zero, leaves no output or whose output
+    ``output_ok(out)`` finds wanting (it returns why, else None) raises RuntimeError.
+    ``env``: the commands' environment (default: this one's); ``tag`` starts the progress
+    line ``log`` gets after each round.
+
+    Returns the series, the flush seconds and the most input bytes still cached right
+    before a cold run.
+    """
+    series = {n: Series(n) for n in cmds}
+    flushes: dict[str, list[float]] = {n: [] for n in cmds}
+    left = 0
+    for rep in range(reps):
+        for name, (cmd, out) in cmds.items():
+            remove(out)
+            if cold:
+                evict(inputs)
+                left = max(left, resident_bytes(inputs) or 0)
+            else:
+                warm(inputs)
+            r = measure(cmd, capture=True, env=env, check=False)
+            why = (f"exited {r.returncode}" if r.returncode else
+                   "no output" if not out.exists() else output_ok(out) if output_ok else None)
+            if why:
+                raise RuntimeError(f"{name}: {why} ({out}):\n{r.stdout[-1500:]}\n"
+                                   f"{r.stderr[-3000:]}")
+            flushes[name].append(flush(out))
+            series[name].runs.append(r)
+            if not (rep == reps - 1 and name in keep):
+                remove(out)
+        log(f"  {tag + ' ' if tag else ''}{'cold' if cold else 'warm'} round {rep + 1}/{reps}: "
+            + ", ".join(f"{n} {s.runs[-1].wall_s:.2f}s/{s.runs[-1].cpu_s:.1f}cpu/"
+                        f"{s.runs[-1].peak_rss_mb:.0f}MiB" for n, s in series.items()))
+    return series, flushes, left
 
 
 # --------------------------------------------------------------------------- output

@@ -46,9 +46,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (GB, ROOT, Series, ckptctl_exe, evict, load_average,  # noqa: E402
-                    machine_facts, measure, resident_bytes, table, tool_version, warm,
-                    write_section)
+from common import (GB, ROOT, Series, ckptctl_exe, load_average, machine_facts,  # noqa: E402
+                    measure, median, remove, run_rounds, table, tool_version, write_section)
 from ckptctl.ops.reshard import parse_size  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -62,25 +61,6 @@ def files_under(d: Path) -> list[Path]:
 
 def tree_bytes(p: Path) -> int:
     return p.stat().st_size if p.is_file() else sum(f.stat().st_size for f in files_under(p))
-
-
-def flush(p: Path) -> float:
-    """fdatasync every file of ``p`` (a file or a folder); returns the seconds it took."""
-    t0 = time.perf_counter()
-    for f in ([p] if p.is_file() else files_under(p)):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
-    return time.perf_counter() - t0
-
-
-def remove(p: Path) -> None:
-    if p.is_dir():
-        shutil.rmtree(p)
-    elif p.exists():
-        p.unlink()
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -194,39 +174,13 @@ def tools(ck: str, src: Path, out: Path, max_memory: str) -> dict[str, tuple[lis
     }
 
 
-def run_rounds(cmds, reps: int, inputs: list[Path], cold: bool, keep_first: set[str], log,
-               tag: str) -> tuple[dict[str, Series], dict[str, list[float]], int]:
-    """Each command ``reps`` times, round-robin. Returns the series, the flush seconds and
-    the most input bytes still cached right before a cold run."""
-    series = {n: Series(n) for n in cmds}
-    flushes: dict[str, list[float]] = {n: [] for n in cmds}
-    left = 0
-    for rep in range(reps):
-        for name, (cmd, out) in cmds.items():
-            remove(out)
-            if cold:
-                evict(inputs)
-                left = max(left, resident_bytes(inputs) or 0)
-            else:
-                warm(inputs)
-            r = measure(cmd, capture=True)
-            if not out.exists() or tree_bytes(out) < 0.9 * sum(p.stat().st_size for p in inputs):
-                raise RuntimeError(f"{name}: no complete output at {out}: {r.stdout[-500:]} "
-                                   f"{r.stderr[-1500:]}")
-            flushes[name].append(flush(out))
-            series[name].runs.append(r)
-            if not (rep == reps - 1 and name in keep_first):
-                remove(out)
-        log(f"  {tag} {'cold' if cold else 'warm'} round {rep + 1}/{reps}: " + ", ".join(
-            f"{n} {s.runs[-1].wall_s:.2f}s/{s.runs[-1].peak_rss_mb:.0f}MB"
-            for n, s in series.items()))
-    return series, flushes, left
-
-
-def median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return (xs[n // 2] + xs[(n - 1) // 2]) / 2
+def at_least(nbytes: float):
+    """An ``output_ok`` for :func:`common.run_rounds`: outputs of fewer than ``nbytes``
+    bytes are incomplete (every tool here writes about as many bytes as it reads)."""
+    def ok(out: Path) -> str | None:
+        got = tree_bytes(out)
+        return None if got >= nbytes else f"no complete output, {got} of {nbytes:.0f} bytes"
+    return ok
 
 
 HEADERS = ["size", "tool", "cache", "runs", "wall s", "min-max", "GB/s", "x cp", "x cp (best)",
@@ -285,7 +239,9 @@ def main(argv=None) -> int:
             out.mkdir()
             cmds = tools(ck, src, out, a.max_memory)
             keep = {"torch dcp_to_torch", "ckptctl --to torch", "ckptctl --to safetensors"}
-            cold, cflush, left = run_rounds(cmds, a.reps, inputs, True, keep, log, label)
+            complete = at_least(0.9 * nbytes)
+            cold, cflush, left = run_rounds(cmds, a.reps, inputs, True, keep, log,
+                                            output_ok=complete, tag=label)
             log("  comparing the outputs ...")
             ok, check = verdict(compare(cmds["torch dcp_to_torch"][1],
                                         cmds["ckptctl --to torch"][1],
@@ -295,7 +251,8 @@ def main(argv=None) -> int:
                 remove(o)
             warm_s, wflush = {}, {}
             if a.warm_reps and size == sizes[-1]:
-                warm_s, wflush, _ = run_rounds(cmds, a.warm_reps, inputs, False, set(), log, label)
+                warm_s, wflush, _ = run_rounds(cmds, a.warm_reps, inputs, False, set(), log,
+                                               output_ok=complete, tag=label)
             remove(out)
             results.append(dict(size=size, src=src, nbytes=nbytes, label=label, setup=setup,
                                 cold=cold, cflush=cflush, left=left, warm=warm_s,

@@ -55,11 +55,10 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (GB, ROOT, Series, ckptctl_exe, evict, load_average,  # noqa: E402
-                    machine_facts, measure, resident_bytes, table, tool_version, warm,
+from common import (GB, ROOT, Series, ckptctl_exe, load_average, machine_facts,  # noqa: E402
+                    measure, median, remove, run_rounds, table, tool_version, warm,
                     write_section)
-from consolidate_bench import (RSS_SLACK_MB, _torch_version, files_under, flush,  # noqa: E402
-                               median, remove, tree_bytes)
+from consolidate_bench import RSS_SLACK_MB, _torch_version, files_under, tree_bytes  # noqa: E402
 from make_dcp import IN_FEATURES, layer_dims  # noqa: E402
 
 from ckptctl.ops.reshard import parse_size  # noqa: E402
@@ -238,33 +237,9 @@ def tools(ck: str, save: Path, out: Path, max_memory: str) -> dict[str, tuple[li
     }
 
 
-def run_rounds(cmds, reps: int, inputs: list[Path], cold: bool, keep_last: set[str],
-               env: dict, log) -> tuple[dict[str, Series], dict[str, list[float]], int]:
-    """Each command ``reps`` times, round-robin; the series, flush seconds, and the most
-    input bytes still cached right before a cold run."""
-    series = {n: Series(n) for n in cmds}
-    flushes: dict[str, list[float]] = {n: [] for n in cmds}
-    left = 0
-    for rep in range(reps):
-        for name, (cmd, out) in cmds.items():
-            remove(out)
-            if cold:
-                evict(inputs)
-                left = max(left, resident_bytes(inputs) or 0)
-            else:
-                warm(inputs)
-            r = measure(cmd, capture=True, env=env, check=False)
-            if r.returncode or not out.exists() or not files_under(out):
-                raise RuntimeError(f"{name} exited {r.returncode}, no output at {out}:\n"
-                                   f"{r.stdout[-1500:]}\n{r.stderr[-3000:]}")
-            flushes[name].append(flush(out))
-            series[name].runs.append(r)
-            if not (rep == reps - 1 and name in keep_last):
-                remove(out)
-        log(f"  {'cold' if cold else 'warm'} round {rep + 1}/{reps}: " + ", ".join(
-            f"{n} {s.runs[-1].wall_s:.2f}s/{s.runs[-1].cpu_s:.1f}cpu/{s.runs[-1].peak_rss_mb:.0f}MiB"
-            for n, s in series.items()))
-    return series, flushes, left
+def has_files(out: Path) -> str | None:
+    """An ``output_ok`` for :func:`common.run_rounds`: the output folder holds a file."""
+    return None if files_under(out) else "no files in the output"
 
 
 def rss_trace(cmd: list[str], env: dict, interval: float = 0.02) -> dict:
@@ -361,7 +336,8 @@ def main(argv=None) -> int:
         cmds = tools(ck, save, out, a.max_memory)
         log(f"cold runs ({a.reps} per tool) ...")
         cold, cflush, left = run_rounds(cmds, a.reps, inputs, True,
-                                        {"zero_to_fp32", "ckptctl consolidate"}, env, log)
+                                        {"zero_to_fp32", "ckptctl consolidate"}, log, env=env,
+                                        output_ok=has_files)
         log("comparing the outputs ...")
         ok, check = compare(cmds["zero_to_fp32"][1], cmds["ckptctl consolidate"][1])
         log("  " + check)
@@ -371,7 +347,8 @@ def main(argv=None) -> int:
         warm_s, wflush = {}, {}
         if a.warm_reps:
             log(f"warm runs ({a.warm_reps} per tool) ...")
-            warm_s, wflush, _ = run_rounds(cmds, a.warm_reps, inputs, False, set(), env, log)
+            warm_s, wflush, _ = run_rounds(cmds, a.warm_reps, inputs, False, set(), log,
+                                           env=env, output_ok=has_files)
         traces = {}
         if a.rss_trace:
             for name in ("zero_to_fp32", "ckptctl consolidate"):

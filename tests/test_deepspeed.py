@@ -697,3 +697,22 @@ def test_s3_inspect_and_consolidate_equal_local(deepspeed_ckpts, s3_bucket, cli,
     assert (out_s3 / "model.safetensors").read_bytes() == \
         (out_local / "model.safetensors").read_bytes()
     _assert_equals_zero_to_fp32(v, out_s3)
+
+
+@pytest.mark.parametrize("name,world", [("z1-fp32", 2), ("z2-fp32", 3), ("z3-bf16", 2),
+                                        ("z3-fp32", 3)])
+def test_each_ranks_view_covers_every_parameter_once(deepspeed_ckpts, cli, name, world):
+    """inspect --json ``ranks``: per rank its optimizer file and, per group, where each
+    trainable parameter's piece sits; the pieces of a parameter add up to its numel and
+    stay inside the partition."""
+    v = deepspeed_ckpts.variant(name, world)
+    r = _json(cli, "inspect", str(v.tag_dir))
+    assert [x["rank"] for x in r["ranks"]] == list(range(world))
+    got: dict[str, int] = {}
+    for view in r["ranks"]:
+        assert view["file"].endswith("_optim_states.pt") and f"rank_{view['rank']}_" in view["file"]
+        for g in view["groups"]:
+            for p, (start, count) in g["params"].items():
+                assert 0 <= start and start + count <= g["elements"], (p, start, count)
+                got[p] = got.get(p, 0) + count
+    assert got == {p: v.entry["numel"][p] for p in v.entry["trainable"]}

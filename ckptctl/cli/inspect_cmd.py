@@ -80,6 +80,11 @@ def inspect(
     say("  closure  " + "  ".join(f"{k} {'yes' if v else 'NO'}" for k, v in r.closure.items()), quiet=quiet)
     for note in r.notes:
         say(f"  note     {note}", quiet=quiet)
+    if r.ranks:
+        say("  ranks    " + "; ".join(
+            f"{v['rank']}: " + " + ".join(f"{g['elements']:,}" for g in v["groups"])
+            + " elements" for v in r.ranks[:4]) + ("; ..." if len(r.ranks) > 4 else "")
+            + " (each rank's flat partitions; --json: where each parameter sits)", quiet=quiet)
     if tree:
         say("", quiet=quiet)
         print_table(["module", "tensors", "params", "bytes"],

@@ -355,6 +355,22 @@ def _add_param(b: _Builder, name: str, shape, pieces: dict[str, list], steps, wh
                 f"optim.state.{name}.step", None, value=st, type_name=type(st).__name__)
 
 
+def _rank_view(b: _Builder, rank: int, group: int, name: str, start: int, count: int, tf,
+               flat: int) -> None:
+    """Record where a parameter's piece sits in one rank's flat partition: each rank's
+    view (``inspect --json``'s ``ranks``: per rank its file and, per param group, the
+    partition's elements and each parameter's ``[start, count]`` in it)."""
+    ranks = b.ck.info["deepspeed"].setdefault("ranks", [])
+    while len(ranks) <= rank:
+        ranks.append({"rank": len(ranks), "file": None, "groups": []})
+    view = ranks[rank]
+    view["file"] = tf.rel
+    while len(view["groups"]) <= group:
+        view["groups"].append({"elements": 0, "params": {}})
+    view["groups"][group]["elements"] = flat
+    view["groups"][group]["params"][name] = [start, count]
+
+
 def _zero12_params(b: _Builder, shapes, optim, osds, world: int) -> None:
     """ZeRO-1/2: each group's partitions, concatenated in rank order, hold its params."""
     per_rank = [_flat_state(o, 1, tf.where) for o, tf in zip(osds, optim)]
@@ -386,6 +402,7 @@ def _zero12_params(b: _Builder, shapes, optim, osds, world: int) -> None:
                 local = lo - bounds[r]
                 _check_mapping(slices[r], g, name, local, hi - lo, optim[r].where)
                 tf = optim[r]
+                _rank_view(b, r, g, name, local, hi - lo, tf, per_rank[r][0][g].numel)
                 pieces["fp32"].append((lo - offset, tf.extent(per_rank[r][0][g], name,
                                                               start=local, count=hi - lo)))
                 for k in keys:
@@ -451,6 +468,7 @@ def _zero3_params(b: _Builder, shapes, optim, osds, world: int) -> None:
                 if not count:
                     continue
                 tf = optim[r]
+                _rank_view(b, r, g, name, offset, count, tf, per_rank[r][0][g].numel)
                 pieces["fp32"].append((r * part, tf.extent(per_rank[r][0][g], name,
                                                            start=offset, count=count)))
                 for k in keys:

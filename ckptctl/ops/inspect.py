@@ -71,6 +71,9 @@ class InspectResult:
     #: its reader could not map (a tied name whose target the files do not record)
     origin: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: DeepSpeed ZeRO: each rank's view (its file; per param group the flat partition's
+    #: elements and each parameter's [start, count] in it)
+    ranks: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -153,7 +156,8 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
         dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])),
         layout=asdict(lay), closure=closure, sealed=ck.info.get("manifest") is not None,
         tensors=shown, objects=objects, tree=_tree(shown, params) if tree else [], metadata=meta,
-        pack=ck.info.get("pack"), origin=ck.info.get("origin"), notes=list(ck.info.get("notes", [])))
+        pack=ck.info.get("pack"), origin=ck.info.get("origin"), notes=list(ck.info.get("notes", [])),
+        ranks=list((ck.info.get("deepspeed") or {}).get("ranks", [])))
 
 
 def _jsonable(v):
