@@ -604,6 +604,23 @@ def _beside(name: str):
     return make
 
 
+def _autoep(tag: Path) -> Path:
+    f = tag / "mp_rank_00_model_states.pt"
+    sd = torch.load(f, weights_only=True)
+    sd["ds_autoep_layers"] = [{"expert_key_prefix": "moe.experts", "num_experts": 4}]
+    torch.save(sd, f)
+    return tag
+
+
+def _moe_groups(tag: Path) -> Path:
+    """Expert param groups partitioned over fewer ranks (partition_count [2, 1])."""
+    for f in tag.glob("*optim_states.pt"):
+        sd = torch.load(f, weights_only=False)
+        sd["optimizer_state_dict"]["partition_count"] = [2, 1]
+        torch.save(sd, f)
+    return tag
+
+
 def _stage0(tag: Path) -> Path:
     for f in tag.glob("*optim_states.pt"):
         f.unlink()
@@ -639,7 +656,22 @@ HOSTILE = {  # name: (make, code in --json, words of the one line[, variant])
     "moe": (_beside("layer_0_expert_0_mp_rank_00_model_states.pt"), "UNSUPPORTED_FORMAT",
             ["DeepSpeed MoE"]),
     "stage0": (_stage0, "UNSUPPORTED_FORMAT", ["DeepSpeed (model states)"]),
+    "autoep": (_autoep, "UNSUPPORTED_FORMAT", ["DeepSpeed AutoEP"]),
+    "moe-groups": (_moe_groups, "UNSUPPORTED_FORMAT", ["DeepSpeed MoE", "[1, 2] ways"]),
 }
+
+
+def test_universal_with_tensor_parallel_metadata_is_refused(deepspeed_ckpts, cli, tmp_path):
+    """A universal checkpoint whose fp32.pt carries TP re-slicing metadata (vocab padding,
+    sub-params) is refused by name, never read as if it were the whole tensor."""
+    uni = copy_ckpt(deepspeed_ckpts.variant("z2-fp32").universal_tag, tmp_path / "uni")
+    f = uni / "zero" / "emb.weight" / "fp32.pt"
+    d = torch.load(f, weights_only=False)
+    d["vocab_tensor"] = True
+    torch.save(d, f)
+    code, out, err = cli("inspect", str(uni))
+    assert (code, out) == (3, "") and err.count("\n") == 1, err
+    assert "tensor-parallel slicing metadata (vocab_tensor)" in err, err
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
