@@ -1,6 +1,9 @@
 """``ckptctl watch``: drain new checkpoints down the tiers of the config, trim each tier."""
 from __future__ import annotations
 
+import signal
+import threading
+
 import typer
 
 from ..errors import EXIT_FINDING
@@ -115,13 +118,35 @@ def watch(
             elif not quiet and (p.promoted or p.failed or any(p.removed.values())):
                 _print_pass(p)
 
+        wake, stop = threading.Event(), threading.Event()
+        previous = _stop_between_passes(w, wake, stop)
         try:
-            w.loop(interval=interval, jitter=jitter, on_pass=report)
-        except KeyboardInterrupt:  # SIGTERM or Ctrl-C: promote left resumable state
+            w.loop(interval=interval, jitter=jitter, on_pass=report, wake=wake, stop=stop)
+        except KeyboardInterrupt:  # SIGTERM or Ctrl-C mid-pass: promote left resumable state
             w.save()
-            say("watch: stopped (status saved)", quiet=quiet or json)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        say("watch: stopped (status saved)", quiet=quiet or json)
     finally:
         w.unlock()
+
+
+def _stop_between_passes(w, wake, stop):
+    """SIGTERM while the loop waits between passes ends it there (``stop``), the way a
+    service manager expects; in the middle of a pass it interrupts the pass as Ctrl-C does
+    (promote leaves resumable state). Returns the handler replaced (None off the main
+    thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def on_term(signum, frame):
+        stop.set()
+        wake.set()
+        if not getattr(w, "waiting", False):
+            raise KeyboardInterrupt
+
+    return signal.signal(signal.SIGTERM, on_term)
 
 
 def _print_pass(p) -> None:

@@ -336,6 +336,7 @@ class Watcher:
         #: multi-node: this node's part of each first-tier checkpoint goes to the shared
         #: (second) tier, sealed there by whichever node completes it; None: single node
         self.node_rank = node_rank
+        self.waiting = False  # True while loop() waits between passes
         self.config = config
         self.settle = float(settle)
         self.backoff = float(backoff)
@@ -701,24 +702,32 @@ class Watcher:
     # -- loop -------------------------------------------------------------------------
 
     def loop(self, *, interval: float = 60.0, jitter: float = 0.0, on_pass=None,
-             wake: threading.Event | None = None) -> None:
+             wake: threading.Event | None = None, stop: threading.Event | None = None) -> None:
         """Run passes forever: after each, wait ``interval`` (+ up to ``jitter``) seconds,
         or less when the first tier changes (watchdog's inotify on a local first tier;
         polling elsewhere or without watchdog). ``on_pass(WatchPass)`` is called after
-        each pass. Ends only by an exception (KeyboardInterrupt: SIGTERM or Ctrl-C), the
-        status saved.
+        each pass. Ends when ``stop`` is set (checked after each wait: a SIGTERM between
+        passes sets it and ``wake``), or by an exception (KeyboardInterrupt: a signal in
+        the middle of a pass), the status saved. ``self.waiting`` is True while it waits.
 
         >>> w.loop(interval=30, jitter=5)                 # doctest: +SKIP
         """
         wake = wake or threading.Event()
+        stop = stop or threading.Event()
         observer = self._observe(wake)
         try:
-            while True:
+            while not stop.is_set():
                 wake.clear()
                 p = self.run_once()
                 if on_pass is not None:
                     on_pass(p)
-                wake.wait(interval + (random.uniform(0, jitter) if jitter > 0 else 0.0))
+                if stop.is_set():
+                    break
+                self.waiting = True
+                try:
+                    wake.wait(interval + (random.uniform(0, jitter) if jitter > 0 else 0.0))
+                finally:
+                    self.waiting = False
         finally:
             if observer is not None:
                 observer.stop()
