@@ -1,6 +1,7 @@
-"""Retention and tiering of DeepSpeed save folders (issue 18): gc keeps the tag ``latest`` names even
-when the policy would not (a rolled-back ``latest``: DeepSpeed resumes from it), and removes
-the other tags with every file they hold; the save folder's own files stay."""
+"""Retention and tiering of DeepSpeed save folders (issue 18): gc keeps the tag ``latest``
+names even when the policy would not (a rolled-back ``latest``: DeepSpeed resumes from it),
+and removes the other tags with every file they hold; the save folder's own files stay;
+watch drains such a folder tag by tag."""
 from __future__ import annotations
 
 import json
