@@ -54,13 +54,9 @@ _LAYER = re.compile(r"^layer_\d+")
 _EXPERT = re.compile(r"expert_\d+|expp_rank_\d+")
 #: ``ds_to_universal``'s tree: ``zero/<param>/<state>.pt``, ``zero/optimizer_state.pt``.
 UNIVERSAL_FILE = re.compile(r"^zero/([^/]+)/(fp32|exp_avg|exp_avg_sq|step)\.pt$")
-LATEST = "latest"
-LATEST_UNIVERSAL = "latest_universal"
 #: The prefix of the client state's entries (``client_state.epoch``): ``load_checkpoint``
 #: returns it as one dict, and the names never meet DeepSpeed's own (``step``).
 CLIENT = "client_state"
-#: A ``latest`` file names a tag: a short single folder name, nothing more.
-_TAG = re.compile(r"^[A-Za-z0-9_.=+-]{1,200}$")
 
 
 def _enum_value(value=None, *args):
@@ -600,30 +596,6 @@ def _rest(b: _Builder, msd: dict, osd: dict, model, optim) -> None:
     for k, v in msd.items():  # what save_checkpoint(client_state=...) was given
         if k not in _DS_MODEL_KEYS:
             b.objects(f"{CLIENT}.{k}", v, model)
-
-
-# ------------------------------------------------------------------ save folders
-
-def latest_tag(store: Store, files: dict[str, int]) -> str | None:
-    """The tag a save folder's ``latest`` (else ``latest_universal``) file names, when it
-    names one of the folder's tag folders; None when there is neither. A ``latest`` naming anything else
-    (a path, a missing folder) is refused."""
-    name = LATEST if LATEST in files else LATEST_UNIVERSAL if LATEST_UNIVERSAL in files else None
-    if name is None:
-        return None
-    if files[name] > 4096:
-        raise FormatError(store.display(name), "is no DeepSpeed tag file (too large)")
-    raw = store.read(name)
-    try:
-        tag = raw.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        raise FormatError(store.display(name), "is no DeepSpeed tag file (not text)") from None
-    if not _TAG.match(tag) or tag in (".", ".."):
-        raise FormatError(store.display(name), f"names {tag[:60]!r}, not a tag folder")
-    if not any(f.startswith(tag + "/") for f in files):
-        raise FormatError(store.display(name), f"names tag {tag}, which this folder does "
-                          "not hold")
-    return tag
 
 
 def is_universal(files: dict[str, int]) -> bool:

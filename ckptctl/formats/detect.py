@@ -23,7 +23,7 @@ from ..model import Checkpoint, natural_key
 from ..storage import Store
 from . import composite, dcp, deepspeed, foreign, safetensors, torchsave
 from .locate import file_format as _file_format
-from .locate import locate
+from .locate import latest_tag, locate
 from .manifest import MANIFEST, WRITING_MARKER, read_manifest
 from .pack import PackStore, is_pack, pack_view
 
@@ -127,7 +127,7 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
     fmt = foreign.refuse_if_foreign(url, files, store, single) \
         or (_file_format(single) if single else detect_format(files))
     if fmt == "deepspeed-save":  # DeepSpeed's save folder: the tag its `latest` names
-        tag = deepspeed.latest_tag(store, files)
+        tag = latest_tag(store, files)
         if tag is None:
             tags = sorted({f.split("/", 1)[0] for f in files if "/" in f}, key=natural_key)
             raise several(url.rstrip("/") + "/", tags, None) from None

@@ -31,7 +31,7 @@ import re
 from ..errors import CkptError, StorageError, UnsupportedFormatError
 from ..model import natural_key
 from .deepspeed import ZERO3_MODEL
-from .locate import DEEPSPEED_SAVE_SIDE
+from .locate import DEEPSPEED_SAVE_SIDE, LATEST, LATEST_UNIVERSAL
 
 #: DeepSpeed's own globs: ``*_model_states.pt`` (``mp_rank_XX_``, ZeRO-3's
 #: ``zero_pp_rank_D_mp_rank_XX_``, pipeline ``layer_XX-...-``, MoE ``..._expert_E_...``)
@@ -41,7 +41,7 @@ _DS_OPTIM = re.compile(r"(?:^|_)mp_rank_\d+_?optim_states\.pt$")
 _DS_LAYER = re.compile(r"^layer_\d+-.*model_states\.pt$")
 _DS_EXPERT = re.compile(r"^(?:layer_\d+_)?expert_\d+_mp_rank_\d+_model_states\.pt$")
 _DS_SCRIPT = "zero_to_fp32.py"
-_DS_LATEST = ("latest", "latest_universal")
+_DS_LATEST = (LATEST, LATEST_UNIVERSAL)
 #: What DeepSpeed (and ckptctl) put at a save folder's top beside the tag folders.
 _DS_SAVE_SIDE = {*DEEPSPEED_SAVE_SIDE, "ckptctl.manifest.json"}
 #: ``ds_to_universal``'s output: ``zero/<param>/fp32.pt`` (+ ``exp_avg``, ``exp_avg_sq``,

@@ -10,7 +10,9 @@ pack's base) both start here.
 """
 from __future__ import annotations
 
-from ..errors import NotFoundError, UnsupportedFormatError, UsageError
+import re
+
+from ..errors import FormatError, NotFoundError, UnsupportedFormatError, UsageError
 from ..storage import Store, open_store
 from .torchsave import is_torch_file
 
@@ -29,23 +31,55 @@ def file_format(name: str) -> str | None:
 
 
 #: What DeepSpeed puts at a save folder's top beside its tag folders.
-DEEPSPEED_SAVE_SIDE = {"latest", "latest_universal", "zero_to_fp32.py", "zero_to_torch.py"}
+LATEST, LATEST_UNIVERSAL = "latest", "latest_universal"
+DEEPSPEED_SAVE_SIDE = {LATEST, LATEST_UNIVERSAL, "zero_to_fp32.py", "zero_to_torch.py"}
+#: A ``latest`` file names a tag: a short single folder name, nothing more.
+_TAG = re.compile(r"^[A-Za-z0-9_.=+-]{1,200}$")
+
+
+def latest_tag(store: Store, files: dict[str, int], *, strict: bool = True) -> str | None:
+    """The tag a DeepSpeed save folder's ``latest`` (else ``latest_universal``) names, when
+    it names one of the folder's tag folders; None when there is neither. One small read.
+    A file naming anything else (a path, a missing tag) is refused (:class:`FormatError`),
+    or None when not ``strict``.
+
+    >>> import tempfile, pathlib; from ckptctl.storage import open_store
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "latest").write_text("../x")
+    >>> latest_tag(open_store(str(d)), {"latest": 4}, strict=False) is None
+    True
+    """
+    name = LATEST if LATEST in files else LATEST_UNIVERSAL if LATEST_UNIVERSAL in files else None
+    if name is None:
+        return None
+    where = store.display(name)
+    why = None
+    if files[name] > 4096:
+        why = "is no DeepSpeed tag file (too large)"
+    else:
+        try:
+            tag = store.read(name).decode("utf-8").strip()
+        except UnicodeDecodeError:
+            why = "is no DeepSpeed tag file (not text)"
+        else:
+            if not _TAG.match(tag) or tag in (".", ".."):
+                why = f"names {tag[:60]!r}, not a tag folder"
+            elif not any(f.startswith(tag + "/") for f in files):
+                why = f"names tag {tag}, which this folder does not hold"
+    if why is None:
+        return tag
+    if strict:
+        raise FormatError(where, why)
+    return None
 
 
 def deepspeed_tag(store: Store, files: dict[str, int]) -> str | None:
-    """The tag folder a DeepSpeed save folder's ``latest`` names, when the folder is one
-    (``latest`` and DeepSpeed's scripts at its top, nothing else) and holds that tag;
-    else None. One small read."""
+    """The tag a folder stands for when it is a DeepSpeed save folder (its top holds only
+    ``latest`` and DeepSpeed's scripts) whose ``latest`` names a tag it holds; else None
+    (the reader then says what is wrong)."""
     top = {f for f in files if "/" not in f}
-    name = "latest" if "latest" in top else "latest_universal" if "latest_universal" in top \
-        else None
-    if name is None or not top <= DEEPSPEED_SAVE_SIDE or files[name] > 4096:
+    if not top & {LATEST, LATEST_UNIVERSAL} or not top <= DEEPSPEED_SAVE_SIDE:
         return None
-    tag = store.read(name).decode("utf-8", "replace").strip()
-    if not tag or "/" in tag or tag in (".", "..") \
-            or not any(f.startswith(tag + "/") for f in files):
-        return None  # the reader says what is wrong with it
-    return tag
+    return latest_tag(store, files, strict=False)
 
 
 def locate(url: str, storage_options: dict | None = None, *,

@@ -392,7 +392,7 @@ def _named_by_latest(rows: dict[str, CheckpointRow],
     """DeepSpeed tag folders their save folder's ``latest`` (or ``latest_universal``) names:
     what ``engine.load_checkpoint(save_dir)`` resumes from, kept whatever the policy says
     (one small read per save folder)."""
-    from ..formats.deepspeed import LATEST
+    from ..formats.locate import LATEST, LATEST_UNIVERSAL
     from ..storage import open_store
 
     out: dict[str, str] = {}
@@ -404,7 +404,7 @@ def _named_by_latest(rows: dict[str, CheckpointRow],
         if parent not in seen:
             seen[parent] = set()
             store = open_store(parent, storage_options)
-            for f in (LATEST, "latest_universal"):
+            for f in (LATEST, LATEST_UNIVERSAL):
                 if store.exists(f) and store.size(f) <= 4096:
                     seen[parent].add(store.read(f).decode("utf-8", "replace").strip())
         if tag in seen[parent]:

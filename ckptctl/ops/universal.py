@@ -31,6 +31,7 @@ import struct
 
 from ..errors import UsageError
 from ..formats.deepspeed import CLIENT
+from ..formats.locate import LATEST_UNIVERSAL
 from ..model import Checkpoint
 from ..storage import HashingWriter, open_store
 from .closure import classify
@@ -40,7 +41,6 @@ from .copier import BlockStream, decode_object, dtype_converter, nest, stream_de
 #: The version DeepSpeed's universal loader asserts is present (``ds_version``).
 DS_VERSION = "0.19.8"
 UNIVERSAL_VERSION = 0.4
-LATEST_UNIVERSAL = "latest_universal"
 MODEL_FILES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
 
 
