@@ -202,3 +202,84 @@ def test_universal_resumes_at_the_other_world_size(deepspeed_ckpts, name, world)
     # DeepSpeed's ZeRO-3 universal loader copies param group 0's settings into every group
     wd = [g["weight_decay"] for g in got["param_groups"]]
     assert wd == ([0.1, 0.1] if v.stage == 3 else [0.1, 0.0])
+
+
+TP = [("tp2-z1-fp32", 4), ("tp2-z2-bf16", 4), ("tp2-z3-fp32", 4), ("tp4-z2-fp32", 4),
+      ("tp2-z2-fp32", 2)]
+
+
+def test_every_tp_variant_is_there(deepspeed_ckpts):
+    assert sorted(deepspeed_ckpts.tp_names(4)) == sorted(n for n, w in TP if w == 4)
+    assert sorted(deepspeed_ckpts.tp_names(2)) == sorted(n for n, w in TP if w == 2)
+
+
+@pytest.mark.parametrize("name,world", TP)
+def test_tp_files_and_oracles(deepspeed_ckpts, name, world):
+    """Tag files per (dp, tp) rank as DeepSpeed names them; each TP rank's load_checkpoint
+    view holds that rank's shards; the ZeRO partitions are padded at DP=2."""
+    v = deepspeed_ckpts.tp(name, world)
+    tp, dp = v.tp, v.dp
+    assert tp * dp == world and (v.save_dir / "latest").read_text() == "global_step3"
+    prefix = "bf16_" if v.dtype == "bf16" else ""
+    optim = {f"{prefix}zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt"
+             for d in range(dp) for t in range(tp)}
+    model = ({f"zero_pp_rank_{d}_mp_rank_{t:02d}_model_states.pt" for d in range(dp)
+              for t in range(tp)} if v.stage == 3
+             else {f"mp_rank_{t:02d}_model_states.pt" for t in range(tp)})
+    assert {p.name for p in v.tag_dir.iterdir()} == optim | model == set(v.entry["tag_files"])
+    assert sorted(v.full) == list(range(tp))
+    lp = torch.bfloat16 if v.dtype == "bf16" else torch.float32
+    splits = {v.entry["split"][n] for n in v.entry["logical_params"]}
+    assert splits == {"column", "row", "replicated"}
+    for t in range(tp):
+        full = v.load_full(t)
+        assert (full["tp_rank"], full["dp_rank"], full["global_steps"]) == (t, 0, 3)
+        assert full["lr_scheduler"] == {"last_batch_iteration": 2}
+        assert {k: full["client_state"][k] for k in ("epoch", "note")} == {"epoch": 1, "note": "x"}
+        for n in v.entry["trainable"]:
+            assert list(full[f"param.{n}"].shape) == v.entry["shard_shapes"][n][t], n
+            assert torch.equal(full[f"module16.{n}"], full[f"param.{n}"].to(lp)), n
+            assert full[f"exp_avg_sq.{n}"].min() >= 0 and float(full[f"step.{n}"]) == 3.0
+        for n in v.entry["frozen"]:
+            assert f"param.{n}" not in full and full[f"module16.{n}"].dtype == lp
+        assert "buffer.pos_scale" in full
+        ms = _load(v.tag_dir / ((f"zero_pp_rank_0_mp_rank_{t:02d}_model_states.pt") if v.stage == 3
+                                else f"mp_rank_{t:02d}_model_states.pt"))
+        # only global rank 0's file records the tie (every one holds both names)
+        assert ms["shared_params"] == ({"head.weight": "emb.weight"} if t == 0 else {})
+        assert {"head.weight", "emb.weight", "pos_scale"} <= set(ms["module"])
+        assert ms["mp_world_size"] == tp and ms["dp_world_size"] == dp
+        if dp == 2:
+            osd = _load(v.tag_dir / f"{prefix}zero_pp_rank_1_mp_rank_{t:02d}_optim_states.pt")
+            osd = osd["optimizer_state_dict"]
+            if v.stage == 3:
+                trainable = sum(math.prod(s) for n, s in v.entry["shard_shapes"].items()
+                                if n in v.entry["trainable"] for s in [s[t]])
+                assert sum(x.numel() for x in osd["fp32_flat_groups"]) * dp > trainable
+            else:
+                assert sum(osd["group_paddings"]) > 0
+    assert isinstance(v.entry["zero_to_fp32_view"], str)  # zero_to_fp32 refuses TP
+
+
+@pytest.mark.parametrize("name,world", TP)
+def test_tp_universal_is_the_join_of_the_tp_ranks(deepspeed_ckpts, name, world):
+    """ds_to_universal's zero/<param>/*.pt (full logical tensors) are the TP ranks'
+    load_checkpoint views concatenated along the split dim (replicated: all equal)."""
+    v = deepspeed_ckpts.tp(name, world)
+    assert (v.universal / "latest_universal").read_text() == v.universal_tag.name
+    fulls = [v.load_full(t) for t in range(v.tp)]
+    for n in v.entry["trainable"]:
+        dim = v.entry["split_dim"][n]
+        for key, state in (("fp32", "param"), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+            d = torch.load(v.universal_tag / "zero" / n / f"{key}.pt", weights_only=True)
+            parts = [f[f"{state}.{n}"] for f in fulls]
+            if dim is None:
+                assert all(torch.equal(p, parts[0]) for p in parts), (n, key)
+                want = parts[0]
+            else:
+                want = torch.cat(parts, dim)
+            assert list(want.shape) == v.entry["logical_params"][n]
+            assert d.keys() == {"param"} and torch.equal(d["param"], want), (n, key)
+        assert (v.universal_tag / "zero" / n / "step.pt").exists() == (v.stage < 3)
+    assert v.entry["universal_unused_patterns"] == [r"^layers\.1\.norm\.bias$",
+                                                    r"^layers\.1\.norm\.weight$"]

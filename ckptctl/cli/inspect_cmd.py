@@ -82,7 +82,8 @@ def inspect(
         say(f"  note     {note}", quiet=quiet)
     if r.ranks:
         say("  ranks    " + "; ".join(
-            f"{v['rank']}: " + " + ".join(f"{g['elements']:,}" for g in v["groups"])
+            (f"tp{v['mp_rank']}/dp{v['rank']}: " if "mp_rank" in v else f"{v['rank']}: ")
+            + " + ".join(f"{g['elements']:,}" for g in v["groups"])
             + " elements" for v in r.ranks[:4]) + ("; ..." if len(r.ranks) > 4 else "")
             + " (each rank's flat partitions; --json: where each parameter sits)", quiet=quiet)
     if tree:

@@ -23,9 +23,14 @@ saved: 16-bit in bf16/fp16 runs; ZeRO-3 saves none but buffers), ``lr_scheduler.
 ``step`` (``global_steps``), ``meta.deepspeed.*`` (DeepSpeed's bookkeeping) and
 ``client_state.*`` (what ``save_checkpoint(client_state=...)`` was given).
 
-Refused by name: pipeline-parallel layer files, MoE expert files, tensor-parallel
-``mp_rank_01`` and up (DeepSpeed does not record how to join TP shards), a tag folder
-without ZeRO optimizer partitions (stage 0), AutoEP layouts.
+Tensor parallel (``mp_rank_00``, ``mp_rank_01``, ...): each TP rank's files are read as one
+ZeRO view, and the views are joined by the affine map DeepSpeed's AutoTP records in the
+model-states files (:mod:`.autotp`: column- and row-parallel splits, replicated params).
+
+Refused by name: pipeline-parallel layer files, MoE expert files, tensor parallel without
+an AutoTP affine map (Megatron-DeepSpeed: the split dims are not in the files) or with
+fused, strided or scaled shards, a tag folder without ZeRO optimizer partitions (stage 0),
+AutoEP layouts.
 
 >>> tag_files({"mp_rank_00_model_states.pt": 1, "zero_pp_rank_1_mp_rank_00_optim_states.pt": 1,
 ...            "zero_pp_rank_0_mp_rank_00_optim_states.pt": 1}).optim
@@ -242,9 +247,69 @@ def read_deepspeed(store: Store, files: dict[str, int]) -> Checkpoint:
         kind = "pipeline-parallel layer files" if any(_LAYER.match(f) for f in tf_.other) \
             else "MoE expert files"
         raise _refuse(where, f"DeepSpeed {kind} ({tf_.other[0]})")
-    if tf_.mp_ranks - {0}:
-        raise _refuse(where, f"DeepSpeed tensor parallel (mp_rank_{max(tf_.mp_ranks):02d}: "
-                      "DeepSpeed records no split dims to join TP shards by)")
+    tp = len(tf_.mp_ranks)
+    if sorted(tf_.mp_ranks) != list(range(tp)):
+        raise FormatError(where, f"tensor-parallel ranks {sorted(tf_.mp_ranks)}: a rank's "
+                          "files are missing")
+    if tp <= 1:
+        return _read_mp(store, files, tf_, 0, 1)
+    return _read_tp(store, files, tp)
+
+
+def _mp_files(files: dict[str, int], mp: int) -> dict[str, int]:
+    """The files of one tensor-parallel rank (``mp_rank_<mp>``) of a tag folder."""
+    out = {}
+    for f, size in files.items():
+        m = ZERO3_MODEL.match(f) or OPTIM_FILE.match(f)
+        rank = int(m.group(2)) if m else int(m2.group(1)) if (m2 := MODEL_FILE.match(f)) else None
+        if rank == mp:
+            out[f] = size
+    return out
+
+
+def _read_tp(store: Store, files: dict[str, int], tp: int) -> Checkpoint:
+    """An AutoTP tag folder: each TP rank's files read as one ZeRO view (its parameters in
+    shard shapes), joined by the affine map DeepSpeed records (:mod:`.autotp`)."""
+    from .autotp import affine_maps, join
+
+    where = store.url
+    views = [_read_mp(store, files, tag_files(_mp_files(files, t)), t, tp) for t in range(tp)]
+    first = views[0].info["deepspeed"]
+    for t, v in enumerate(views[1:], 1):
+        d = v.info["deepspeed"]
+        if (d["stage"], d["world"], d["precision"]) != (first["stage"], first["world"],
+                                                          first["precision"]):
+            raise FormatError(where, f"TP rank {t} is ZeRO-{d['stage']} over {d['world']} "
+                              f"ranks, TP rank 0 ZeRO-{first['stage']} over {first['world']}")
+    uc = [v.info.pop("autotp") for v in views]
+    if any(u != uc[0] for u in uc[1:]):
+        raise FormatError(where, "the TP ranks' model-states files record different "
+                          "AutoTP affine maps")
+    maps = affine_maps(uc[0], tp, where)
+    ck = views[0]
+    ck.files = dict(files)
+    ck.tensors = join(views, maps, where, ck.info.get("aliases", {}),
+                      ck.info.get("buffers", set()))
+    dp = first["world"]
+    ck.info["deepspeed"].update(
+        tp=tp, dp=dp, world=tp * dp, model_file=first["model_file"],
+        optim_files=[f for v in views for f in v.info["deepspeed"]["optim_files"]],
+        ranks=[{**r, "mp_rank": t} for t, v in enumerate(views)
+               for r in v.info["deepspeed"].get("ranks", [])])
+    ck.info["zip_files"] = [f for v in views for f in v.info["zip_files"]]
+    notes = ck.info.setdefault("notes", [])  # TP rank 0's (the others lack shared_params)
+    replicated = sorted(n for n, pl in maps.items() if pl[0].replicated)
+    if replicated:
+        notes.append(f"{_few(replicated)}: replicated on every TP rank; read from TP rank 0 "
+                     "(the other ranks' copies are not compared)")
+    ck.info["origin"] = describe(ck)
+    return ck
+
+
+def _read_mp(store: Store, files: dict[str, int], tf_: TagFiles, mp: int, tp: int
+             ) -> Checkpoint:
+    """TP rank ``mp``'s ZeRO view (of ``tp``): every parameter as that rank holds it."""
+    where = store.url
     if not tf_.model:
         raise FormatError(where, "DeepSpeed tag folder without a *_model_states.pt file")
     if not tf_.optim:
@@ -270,7 +335,7 @@ def read_deepspeed(store: Store, files: dict[str, int]) -> Checkpoint:
                               f"{world} optimizer files")
         models = _parallel(lambda f: _load(store, f, files[f]), tf_.model)
     else:
-        if tf_.model != ["mp_rank_00_model_states.pt"]:
+        if tf_.model != [f"mp_rank_{mp:02d}_model_states.pt"]:
             raise FormatError(where, f"ZeRO-{stage} folder with model files {tf_.model}")
         models = [_load(store, tf_.model[0], files[tf_.model[0]])]
     msd = _dict(models[0].obj, models[0].where, "the model-states file")
@@ -278,6 +343,12 @@ def read_deepspeed(store: Store, files: dict[str, int]) -> Checkpoint:
         if msd.get(key):
             raise _refuse(where, "DeepSpeed AutoEP (expert-parallel layers)")
     ck = Checkpoint(root=store.url, format="deepspeed", store=store, files=dict(files))
+    mp_world = msd.get("mp_world_size")
+    if isinstance(mp_world, int) and mp_world != tp:
+        raise FormatError(where, f"mp_world_size says {mp_world} tensor-parallel ranks, the "
+                          f"folder holds {tp} (a rank's files are missing)")
+    if tp > 1:
+        ck.info["autotp"] = _plain(msd.get("universal_checkpoint_info"))
     ds_cfg = msd.get("ds_config") if isinstance(msd.get("ds_config"), dict) else {}
     precision = "bf16" if (ds_cfg.get("bf16") or {}).get("enabled") else \
         "fp16" if (ds_cfg.get("fp16") or {}).get("enabled") else "fp32"
@@ -718,4 +789,7 @@ def describe(ck: Checkpoint) -> str:
     d = ck.info.get("deepspeed", {})
     if d.get("universal"):
         return "universal checkpoint"
+    if d.get("tp"):
+        return (f"ZeRO-{d.get('stage')}, TP {d['tp']} x DP {d.get('dp')} "
+                f"({d.get('world')} ranks), {d.get('precision')}")
     return f"ZeRO-{d.get('stage')}, {d.get('world')} ranks, {d.get('precision')}"
