@@ -202,6 +202,10 @@ def _two_pieces(uc):
             return
 
 
+def _no_info(uc):
+    uc.clear()
+
+
 def _version(uc):
     uc["affine_map"]["version"] = 2
 
@@ -218,8 +222,11 @@ def _missing_rank(tag: Path) -> Path:
 
 
 REFUSED = {  # name: (make, code, words)
-    "no-affine-map": (_edit_map(_no_map), "UNSUPPORTED_FORMAT",
-                      ["DeepSpeed tensor parallel (2 TP ranks) without an AutoTP affine map"]),
+    "patterns-only": (_edit_map(_no_map), "UNSUPPORTED_FORMAT",
+                      ["without an AutoTP affine map, described by name patterns only",
+                       "Megatron-DeepSpeed"]),
+    "no-split-info": (_edit_map(_no_info), "UNSUPPORTED_FORMAT",
+                      ["without an AutoTP affine map: the files do not record the split dims"]),
     "scaled": (_edit_map(lambda uc: _piece(uc, scale=0.5)), "UNSUPPORTED_FORMAT",
                ["held scaled by 0.5"]),
     "fused": (_edit_map(_two_pieces), "UNSUPPORTED_FORMAT", ["held as 2 pieces on TP rank 0",

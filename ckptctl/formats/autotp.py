@@ -153,8 +153,12 @@ def affine_maps(uc_info, tp: int, where: str) -> dict[str, dict[int, Placement]]
     (older DeepSpeed, Megatron-DeepSpeed: the split dims are not in the files)."""
     amap = uc_info.get("affine_map") if isinstance(uc_info, dict) else None
     if not isinstance(amap, dict):
+        if isinstance(uc_info, dict) and any(k.endswith("_patterns") for k in uc_info):
+            raise _refuse(where, f"DeepSpeed tensor parallel ({tp} TP ranks) without an AutoTP "
+                          "affine map, described by name patterns only (Megatron-DeepSpeed's "
+                          "universal_checkpoint_info)")
         raise _refuse(where, f"DeepSpeed tensor parallel ({tp} TP ranks) without an AutoTP "
-                      "affine map (e.g. Megatron-DeepSpeed): the split dims are not recorded")
+                      "affine map: the files do not record the split dims")
     if amap.get("version") != AFFINE_VERSION:
         raise _refuse(where, f"AutoTP affine map version {amap.get('version')!r} (ckptctl "
                       f"reads version {AFFINE_VERSION})")

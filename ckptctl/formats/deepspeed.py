@@ -28,7 +28,7 @@ ZeRO view, and the views are joined by the affine map DeepSpeed's AutoTP records
 model-states files (:mod:`.autotp`: column- and row-parallel splits, replicated params).
 
 Refused by name: pipeline-parallel layer files, MoE expert files, tensor parallel without
-an AutoTP affine map (Megatron-DeepSpeed: the split dims are not in the files) or with
+an AutoTP affine map (Megatron-DeepSpeed's name-pattern categories are not read) or with
 fused, strided or scaled shards, a tag folder without ZeRO optimizer partitions (stage 0),
 AutoEP layouts.
 
