@@ -7,6 +7,9 @@ place only model and optimizer entries, ops report state closure with it
 >>> [classify(n) for n in ("model.layers.0.wq.weight", "optim.state.w.step", "epoch", "rng.cpu",
 ...  "module16.lin.weight")]
 ['model', 'optim', 'meta', 'rng', 'module16']
+>>> [classify(n) for n in ("decoder.layers.mlp.linear_fc1._extra_state/shard_0_2",
+...  "rng_state/shard_0.0_2.1", "opt_param_scheduler.max_lr", "args.hidden_size")]
+['meta', 'rng', 'lr_scheduler', 'meta']
 """
 from __future__ import annotations
 
@@ -21,12 +24,18 @@ _RULES = [
     ("meta", re.compile(r"^(callbacks|loops|hyper_parameters|hparams|hparams_name|hparams_type|"
                         r"datamodule_hyper_parameters|datamodule_hparams_name|epoch|"
                         r"pytorch-lightning_version|lightning_version|custom|meta|scaler|"
-                        r"native_amp_scaling_state|amp_scaling_state|trainer_state|client_state)(_\d+)?(\.|$)")),
+                        r"native_amp_scaling_state|amp_scaling_state|trainer_state|client_state|"
+                        r"args|checkpoint_version|num_floating_point_operations_so_far|"
+                        r"content_metadata)(_\d+)?(\.|$)")),
+    # a module's _extra_state (Transformer Engine's FP8 metadata; Megatron's ShardedObject
+    # ``<key>/shard_<offset>_<shape>``): bytes beside the weights, not a weight
+    ("meta", re.compile(r"(^|\.)_extra_state(/|\.|$)")),
     ("optim", re.compile(r"^(optim|optimizer|optimizers|opt|optimizer_states?)(_\d+)?(\.|$)|"
                          r"(^|\.)(exp_avg|exp_avg_sq|param_groups|momentum_buffer)(\.|$)")),
-    ("lr_scheduler", re.compile(r"^(lr_schedulers?|schedulers?|sched)(_\d+)?(\.|$)")),
+    ("lr_scheduler", re.compile(r"^(lr_schedulers?|schedulers?|sched|opt_param_scheduler)"
+                                r"(_\d+)?(\.|$)")),
     ("rng", re.compile(r"^(rng|rngs|rng_states?|random_states?|torch_rng_state|cuda_rng_state|"
-                       r"numpy_rng_state|python_rng_state|generator)(\.|$)")),
+                       r"numpy_rng_state|python_rng_state|generator)(\.|/|$)")),
     ("dataloader", re.compile(r"^(dataloaders?|data_loaders?|sampler|data_state|dataset|"
                               r"data)(_\d+)?(\.|$)")),
     ("step", re.compile(r"^((train_state|trainer|state)\.)?(step|global_step|iteration|"

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["fixtures_torch", "fixtures_s3", "fixtures_thirdparty", "fixtures_deepspeed"]
+pytest_plugins = ["fixtures_torch", "fixtures_s3", "fixtures_thirdparty", "fixtures_deepspeed",
+                  "fixtures_megatron"]
 collect_ignore = ["fixtures"]  # generator scripts, run by fixtures_torch / fixtures_thirdparty
 
 TESTS = Path(__file__).parent

@@ -191,7 +191,6 @@ REFUSED = [
     ("pipe/global_step5", "DeepSpeed pipeline (per-layer model states)"),
     ("moe/global_step5", "DeepSpeed MoE (expert model states)"),
     ("meg", "Megatron-core torch_dist, a save folder of 1 checkpoint (iter_0000010)"),
-    ("meg/iter_0000010", "Megatron-core torch_dist"),
     ("legacy/iter_0000010", "Megatron legacy"),
     ("legacy/iter_0000010/mp_rank_00_000/model_optim_rng.pt", "Megatron legacy"),
     ("orbax/10", "Orbax (OCDBT)"),
@@ -250,16 +249,18 @@ def test_library_raises_unsupported_format(zoo):
 
     with pytest.raises(UnsupportedFormatError, match="DeepSpeed MoE"):
         open_checkpoint(str(zoo / "moe" / "global_step5"))
-    with pytest.raises(UnsupportedFormatError, match="Megatron-core torch_dist"):
-        verify(str(zoo / "meg" / "iter_0000010"), level="quick")
+    with pytest.raises(UnsupportedFormatError, match="Megatron legacy"):
+        verify(str(zoo / "legacy" / "iter_0000010"), level="quick")
 
 
-def test_megatron_metadata_without_its_config_is_named(tmp_path, cli):
-    """The ``.metadata`` pickle alone (no metadata.json): named by its ``all_local_plans``,
-    not reported as an unsafe pickle."""
+def test_megatron_metadata_without_its_config_is_not_committed(tmp_path, cli):
+    """The ``.metadata`` pickle alone (no metadata.json, which Megatron writes last): known
+    by its ``all_local_plans``, reported as a save that did not finish, not as an unsafe
+    pickle."""
     it = megatron_dist(tmp_path / "iter_0000010", config=False, common=False)
-    code, out, err = cli("verify", str(it))
-    assert code == 3 and FOREIGN + "Megatron-core torch_dist" in _one_line(err), err
+    code, out, err = cli("inspect", str(it), "--json")
+    e = json.loads(out)["error"]
+    assert (code, e["code"]) == (3, "NOT_COMMITTED") and "without metadata.json" in e["message"], e
 
 
 def test_megatron_backend_is_read_from_its_config(tmp_path, cli):
@@ -291,13 +292,15 @@ def test_ls_lists_each_foreign_checkpoint_as_one_unknown_row(zoo, cli):
                          "meg/iter_0000010", "legacy/iter_0000010", "orbax/10",
                          "hf/checkpoint-500", "plain/step-42"}
     assert rows["plain/step-42"]["state"] == "complete"
+    # Megatron-core torch_dist is read (tests/test_megatron.py): DCP with Megatron's files
+    assert (rows["meg/iter_0000010"]["format"], rows["meg/iter_0000010"]["state"]) == \
+        ("dcp", "complete"), rows["meg/iter_0000010"]
     for name in ("ds3/global_step10", "ds12/global_step5"):  # lack what real ones hold
         assert (rows[name]["format"], rows[name]["state"]) == ("deepspeed", "corrupt"), rows[name]
     uni = rows["uni/global_step10_universal"]
     assert (uni["format"], uni["state"]) == ("deepspeed-universal", "complete"), uni
     want = {"pipe/global_step5": ("deepspeed", "DeepSpeed pipeline"),
             "moe/global_step5": ("deepspeed", "DeepSpeed MoE"),
-            "meg/iter_0000010": ("megatron", "Megatron-core torch_dist"),
             "legacy/iter_0000010": ("megatron", "Megatron legacy"),
             "orbax/10": ("orbax", "Orbax (OCDBT)"),
             "hf/checkpoint-500": ("deepspeed", "DeepSpeed ZeRO-3")}
@@ -328,7 +331,7 @@ def test_ls_from_the_listing_alone_does_not_call_them_complete(zoo):
     from ckptctl.ops import ls
 
     rows = {r.name: r for r in ls(str(zoo), check="listing").checkpoints}
-    for name in ("meg/iter_0000010", "pipe/global_step5", "orbax/10"):
+    for name in ("legacy/iter_0000010", "pipe/global_step5", "orbax/10"):
         assert rows[name].state == "unknown" and rows[name].exact, rows[name]
 
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import sys
 from typing import List, Optional
 
 import typer
@@ -33,6 +34,11 @@ def ls(
     if json:
         emit_json(r.to_dict())
         return
+    for p in r.pointers:  # a resume that reads it would fail: say so even with --quiet
+        if not p["present"]:
+            what = f"names {p['names']}, which is not here" if p["names"] else \
+                "names no checkpoint folder"
+            print(f"ckptctl: warning: {p['file']} {what}", file=sys.stderr)
     if quiet:
         return
     rows = []
@@ -45,3 +51,6 @@ def ls(
         print(f"no checkpoints under {r.root}")
         return
     print_table(["name", "step", "format", "state", "size", "modified"], rows)
+    for p in r.pointers:
+        if p["present"]:
+            print(f"{p['file']} names {p['names']}")

@@ -18,11 +18,14 @@ from ..errors import FormatError, NotFoundError, UnsafeInputError
 from ..model import DTYPES, Checkpoint, Chunk, Extent, ObjectEntry, TensorEntry
 from ..storage import Store, safe_relpath
 from .limits import MAX_METADATA_BYTES, check_shape
-from .safe_pickle import Record, TorchName, dcp_allowed_globals, restricted_loads
+from .safe_pickle import (Record, TorchName, dcp_allowed_globals, planner_globals,
+                          restricted_loads)
 
 METADATA = ".metadata"
 ZSTD_TRANSFORM = "stream.zstd/1"
 _ALLOWED = dcp_allowed_globals(DTYPES)
+#: ... and Megatron-core's: its ``.metadata`` also carries the ranks' save plans
+_ALLOWED_WITH_PLANS = {**_ALLOWED, **planner_globals()}
 
 
 def is_dcp(files: dict[str, int]) -> bool:
@@ -46,11 +49,12 @@ def _ints(val, where, what) -> tuple[int, ...]:
     return tuple(val)
 
 
-def parse_metadata(data: bytes, *, where: str = METADATA) -> Record:
-    """Unpickle ``.metadata`` safely; the result is an inert :class:`Record` tree."""
+def parse_metadata(data: bytes, *, where: str = METADATA, plans: bool = False) -> Record:
+    """Unpickle ``.metadata`` safely; the result is an inert :class:`Record` tree.
+    ``plans``: admit the planner classes Megatron-core adds (``all_local_plans``)."""
     if len(data) > MAX_METADATA_BYTES:
         raise UnsafeInputError(where, f"{len(data)} bytes is larger than any sane .metadata")
-    md = restricted_loads(data, _ALLOWED, where=where)
+    md = restricted_loads(data, _ALLOWED_WITH_PLANS if plans else _ALLOWED, where=where)
     if type(md).__name__ != "Metadata":
         raise FormatError(where, "not DCP metadata (unexpected top-level object)")
     return md
@@ -159,11 +163,12 @@ def checkpoint_from_metadata(md: Record, root: str, *, where: str = METADATA) ->
 
 
 def read_dcp(store: Store, files: dict[str, int] | None = None, *,
-             strict: bool = True) -> Checkpoint:
+             strict: bool = True, plans: bool = False) -> Checkpoint:
     """Read a DCP checkpoint's metadata: one GET of ``.metadata``.
 
     ``strict``: a data file that the metadata names but the place lacks is an error
-    (``verify`` passes False and reports it as a finding instead).
+    (``verify`` passes False and reports it as a finding instead). ``plans``: Megatron-
+    core's ``.metadata`` (see :func:`parse_metadata`).
     """
     where = store.display(METADATA)
     ck_files = dict(files) if files is not None else store.list_files()
@@ -172,7 +177,8 @@ def read_dcp(store: Store, files: dict[str, int] | None = None, *,
                           code="NOT_COMMITTED")
     data = store.read(METADATA)
     with paused_gc():
-        ck = checkpoint_from_metadata(parse_metadata(data, where=where), store.url, where=where)
+        ck = checkpoint_from_metadata(parse_metadata(data, where=where, plans=plans), store.url,
+                                      where=where)
     ck.files = ck_files
     ck.store = store
     if strict:
@@ -190,9 +196,13 @@ def referenced_files(ck: Checkpoint) -> set[str]:
 
 
 def step_from_objects(ck: Checkpoint, reader) -> int | None:
-    """The ``step`` entry's value if it is a plain integer (decoded without code)."""
-    for name in ("step", "train_state.step", "trainer.step", "global_step"):
+    """The ``step`` entry's value if it is a plain integer (decoded without code; a
+    value the reader already holds, Megatron's ``iteration``, needs no read)."""
+    for name in ("step", "train_state.step", "trainer.step", "global_step", "iteration"):
         entry = ck.objects.get(name)
+        if entry is not None and entry.extent is None and isinstance(entry.value, int) \
+                and not isinstance(entry.value, bool):
+            return entry.value
         if entry is not None and entry.extent is not None and entry.extent.length < (1 << 16):
             try:
                 value = reader(ck, entry)

@@ -43,11 +43,11 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..boxes import flat_range_boxes
 from ..errors import FormatError, UnsupportedFormatError
-from ..model import DTYPES, Checkpoint, Chunk, Extent, ObjectEntry, TensorEntry
+from ..model import Checkpoint, ObjectEntry, TensorEntry
 from ..storage import Store
-from .safe_pickle import Record, record_class
+from .safe_pickle import record_class
+from .torchfile import EntryBuilder, plain as _plain
 from .torchzip import StoredTensor
 
 #: DeepSpeed's file names: ZeRO-3 model states per dp rank, ZeRO-1/2 model states per mp
@@ -151,71 +151,6 @@ def _shape(v, where: str, name: str) -> tuple[int, ...]:
             isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in v):
         raise FormatError(where, f"param_shapes: {name} has no shape of non-negative integers")
     return tuple(v)
-
-
-def _plain(v):
-    """A stand-in record as a dict of its attributes; containers walked (no tensors)."""
-    if isinstance(v, Record):
-        return {k: _plain(x) for k, x in vars(v).items() if not k.startswith("_")}
-    if isinstance(v, dict):
-        return {k: _plain(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_plain(x) for x in v)
-    return v
-
-
-class _Builder:
-    """Adds entries to a checkpoint from parsed rank files."""
-
-    def __init__(self, ck: Checkpoint):
-        self.ck = ck
-
-    def _name_free(self, name: str, where: str) -> None:
-        if name in self.ck.tensors or name in self.ck.objects:
-            raise FormatError(where, f"{name}: two entries of this name")
-
-    def tensor(self, name: str, dtype: str, shape: tuple[int, ...],
-               pieces: list[tuple[int, Extent]], where: str) -> TensorEntry:
-        """A tensor from flat pieces: (first flat element, raw extent of the piece)."""
-        self._name_free(name, where)
-        dt = DTYPES[dtype]
-        chunks = []
-        for first, ext in pieces:
-            count = ext.length // dt.itemsize
-            for (off, sz), base in flat_range_boxes(shape, first, first + count):
-                n = math.prod(sz)
-                chunks.append(Chunk(off, sz, Extent(ext.file, ext.offset + (base - first)
-                                                    * dt.itemsize, n * dt.itemsize, "raw")))
-        if not chunks:  # no elements: one empty chunk keeps the tensor's place
-            f = pieces[0][1].file if pieces else self.ck.info["deepspeed"]["model_file"]
-            chunks.append(Chunk((0,) * len(shape), shape, Extent(f, 0, 0, "raw")))
-        t = TensorEntry(name, dt, shape, chunks)
-        self.ck.tensors[name] = t
-        return t
-
-    def stored(self, name: str, tf, st: StoredTensor, shape: tuple[int, ...] | None = None):
-        """A tensor stored whole in one rank file (a buffer, a 16-bit weight, a step)."""
-        shape = st.size if shape is None else shape
-        if math.prod(shape) != st.numel:
-            raise FormatError(tf.where, f"{name}: {st.numel} elements stored for shape "
-                              f"{list(shape)}")
-        return self.tensor(name, st.dtype, shape, [(0, tf.extent(st, name))], tf.where)
-
-    def objects(self, prefix: str, value, tf, *, tensors: bool = True) -> None:
-        """Flattened entries of a nested value; tensors in it become tensor entries."""
-        from .torchsave import flatten
-
-        for sub, v in flatten({"": value} if not isinstance(value, dict) else value,
-                              where=tf.where).items():
-            name = f"{prefix}.{sub}" if prefix and sub else (prefix or sub)
-            if isinstance(v, StoredTensor):
-                if not tensors:
-                    raise FormatError(tf.where, f"{name}: a tensor where plain values belong")
-                self.stored(name, tf, v)
-            else:
-                self._name_free(name, tf.where)
-                v = _plain(v)
-                self.ck.objects[name] = ObjectEntry(name, None, value=v, type_name=type(v).__name__)
 
 
 def _partition_count(osd: dict, where: str, world: int) -> int:
@@ -357,7 +292,7 @@ def _read_mp(store: Store, files: dict[str, int], tf_: TagFiles, mp: int, tp: in
     ck.info["deepspeed"] = {"stage": stage, "world": world, "precision": precision,
                             "ds_version": msd.get("ds_version"), "model_file": models[0].rel,
                             "optim_files": list(tf_.optim)}
-    b = _Builder(ck)
+    b = EntryBuilder(ck, default_file=models[0].rel)
     shapes = msd.get("param_shapes")
     if not isinstance(shapes, list) or not all(isinstance(g, dict) for g in shapes):
         raise FormatError(models[0].where, "param_shapes is not a list of groups")
@@ -407,7 +342,7 @@ def _moment_keys(states: list[dict], where: str) -> list[str]:
     return keys
 
 
-def _add_param(b: _Builder, name: str, shape, pieces: dict[str, list], steps, where: str) -> None:
+def _add_param(b: EntryBuilder, name: str, shape, pieces: dict[str, list], steps, where: str) -> None:
     """model.<name> and its optimizer state from (key -> [(first, extent)]) pieces."""
     b.tensor(f"model.{name}", "float32", shape, pieces.pop("fp32"), where)
     for key, ps in pieces.items():
@@ -417,12 +352,12 @@ def _add_param(b: _Builder, name: str, shape, pieces: dict[str, list], steps, wh
         if isinstance(st, StoredTensor):
             b.stored(f"optim.state.{name}.step", tf, st)
         else:
-            b._name_free(f"optim.state.{name}.step", where)
+            b.name_free(f"optim.state.{name}.step", where)
             b.ck.objects[f"optim.state.{name}.step"] = ObjectEntry(
                 f"optim.state.{name}.step", None, value=st, type_name=type(st).__name__)
 
 
-def _rank_view(b: _Builder, rank: int, group: int, name: str, start: int, count: int, tf,
+def _rank_view(b: EntryBuilder, rank: int, group: int, name: str, start: int, count: int, tf,
                flat: int) -> None:
     """Record where a parameter's piece sits in one rank's flat partition: each rank's
     view (``inspect --json``'s ``ranks``: per rank its file and, per param group, the
@@ -438,7 +373,7 @@ def _rank_view(b: _Builder, rank: int, group: int, name: str, start: int, count:
     view["groups"][group]["params"][name] = [start, count]
 
 
-def _zero12_params(b: _Builder, shapes, optim, osds, world: int) -> None:
+def _zero12_params(b: EntryBuilder, shapes, optim, osds, world: int) -> None:
     """ZeRO-1/2: each group's partitions, concatenated in rank order, hold its params."""
     per_rank = [_flat_state(o, 1, tf.where) for o, tf in zip(osds, optim)]
     groups = len(shapes)
@@ -516,7 +451,7 @@ def _check_mapping(mappings, g: int, name: str, start: int, numel: int, where: s
                           f"of this rank's partition, param_shapes say {start}+{numel}")
 
 
-def _zero3_params(b: _Builder, shapes, optim, osds, world: int) -> None:
+def _zero3_params(b: EntryBuilder, shapes, optim, osds, world: int) -> None:
     """ZeRO-3: each param is ceil(numel / world) elements on every rank, in order."""
     per_rank = [_flat_state(o, 3, tf.where) for o, tf in zip(osds, optim)]
     for r, (flat, _) in enumerate(per_rank):
@@ -555,7 +490,7 @@ def _zero3_params(b: _Builder, shapes, optim, osds, world: int) -> None:
                                   f"params take {offset} per rank")
 
 
-def _frozen(b: _Builder, msd: dict, models, stage: int, world: int) -> None:
+def _frozen(b: EntryBuilder, msd: dict, models, stage: int, world: int) -> None:
     shapes = msd.get("frozen_param_shapes") or {}
     if not shapes:
         return
@@ -584,7 +519,7 @@ def _frozen(b: _Builder, msd: dict, models, stage: int, world: int) -> None:
         b.tensor(f"model.{name}", dtype or "float32", shape, pieces, where)
 
 
-def _buffers_and_module(b: _Builder, msd: dict, model, stage: int) -> None:
+def _buffers_and_module(b: EntryBuilder, msd: dict, model, stage: int) -> None:
     """model.<buffer>, tied names, and module16.* (the module's weights as saved)."""
     where = model.where
     module = _dict(msd.get("module") or {}, where, "module")
@@ -600,7 +535,7 @@ def _buffers_and_module(b: _Builder, msd: dict, model, stage: int) -> None:
         t = b.ck.tensors.get(f"model.{target}")
         if t is None:
             raise FormatError(where, f"shared param {alias} is tied to {target}, which is not saved")
-        b._name_free(f"model.{alias}", where)
+        b.name_free(f"model.{alias}", where)
         b.ck.tensors[f"model.{alias}"] = TensorEntry(f"model.{alias}", t.dtype, t.shape,
                                                      list(t.chunks))
         aliases[f"model.{alias}"] = f"model.{target}"
@@ -638,7 +573,7 @@ def _few(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
-def _param_groups(b: _Builder, shapes, osd: dict, where: str, stage: int) -> None:
+def _param_groups(b: EntryBuilder, shapes, osd: dict, where: str, stage: int) -> None:
     base = osd.get("optimizer_state_dict" if stage == 3 else "base_optimizer_state") or {}
     groups = base.get("param_groups") or []
     for g, group in enumerate(groups):
@@ -647,11 +582,11 @@ def _param_groups(b: _Builder, shapes, osd: dict, where: str, stage: int) -> Non
         for k, v in group.items():
             name = f"optim.param_groups.{g}.{k}"
             value = list(shapes[g]) if k == "params" and g < len(shapes) else _plain(v)
-            b._name_free(name, where)
+            b.name_free(name, where)
             b.ck.objects[name] = ObjectEntry(name, None, value=value, type_name=type(value).__name__)
 
 
-def _rest(b: _Builder, msd: dict, osd: dict, model, optim) -> None:
+def _rest(b: EntryBuilder, msd: dict, osd: dict, model, optim) -> None:
     """step, lr_scheduler, DeepSpeed's bookkeeping and the client state."""
     steps = msd.get("global_steps")
     if isinstance(steps, int) and not isinstance(steps, bool):
@@ -683,7 +618,7 @@ def read_universal(store: Store, files: dict[str, int]) -> Checkpoint:
     tf_ = tag_files(files)
     ck = Checkpoint(root=store.url, format="deepspeed-universal", store=store, files=dict(files))
     ck.info["deepspeed"] = {"universal": True, "model_file": (tf_.model or [None])[0]}
-    b = _Builder(ck)
+    b = EntryBuilder(ck, default_file=(tf_.model or [None])[0])
     shapes: dict[str, tuple] = {}
     msd: dict = {}
     model = None
@@ -752,7 +687,7 @@ def read_universal(store: Store, files: dict[str, int]) -> Checkpoint:
     return ck
 
 
-def _universal_rest(b: _Builder, store: Store, files: dict[str, int], tf_: TagFiles,
+def _universal_rest(b: EntryBuilder, store: Store, files: dict[str, int], tf_: TagFiles,
                     msd: dict, model) -> None:
     """What the copied model-states files hold that ``zero/`` may not: frozen parameters
     (ZeRO-3: in every rank's file), buffers and tied names."""

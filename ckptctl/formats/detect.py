@@ -21,7 +21,7 @@ import re
 from ..errors import CkptError, FormatError, UnsupportedFormatError, UsageError
 from ..model import Checkpoint, natural_key
 from ..storage import Store
-from . import composite, dcp, deepspeed, foreign, safetensors, torchsave
+from . import composite, dcp, deepspeed, foreign, megatron, safetensors, torchsave
 from .locate import file_format as _file_format
 from .locate import latest_tag, locate
 from .manifest import MANIFEST, WRITING_MARKER, read_manifest
@@ -139,6 +139,8 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
         ck = deepspeed.read_deepspeed(store, files)
     elif fmt == "deepspeed-universal":
         ck = deepspeed.read_universal(store, files)
+    elif fmt == "megatron-dist":
+        ck = megatron.read_dist(store, files, strict=strict)
     elif fmt == "dcp":
         try:
             ck = dcp.read_dcp(store, files, strict=strict)

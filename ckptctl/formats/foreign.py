@@ -28,10 +28,11 @@ from __future__ import annotations
 import posixpath
 import re
 
-from ..errors import CkptError, StorageError, UnsupportedFormatError
+from ..errors import CkptError, FormatError, StorageError, UnsupportedFormatError
 from ..model import natural_key
 from .deepspeed import ZERO3_MODEL
 from .locate import DEEPSPEED_SAVE_SIDE, LATEST, LATEST_UNIVERSAL
+from .megatron import COMMON, CONFIG, CONFIG_LIMIT
 
 #: DeepSpeed's own globs: ``*_model_states.pt`` (``mp_rank_XX_``, ZeRO-3's
 #: ``zero_pp_rank_D_mp_rank_XX_``, pipeline ``layer_XX-...-``, MoE ``..._expert_E_...``)
@@ -53,10 +54,8 @@ _DS_UNIVERSAL = re.compile(r"^zero/(?:[^/]+/(?:fp32|exp_avg|exp_avg_sq|step)|opt
 _MEG_RANK_DIR = re.compile(r"^mp_rank_\d+(?:_\d+){0,2}$")
 _MEG_FILES = {"model_optim_rng.pt", "distrib_optim.pt"}
 _MEG_TRACKER = "latest_checkpointed_iteration.txt"
-_MEG_CONFIG = "metadata.json"
-_MEG_COMMON = "common.pt"
-#: metadata.json is read only up to this size (Megatron's is ~100 bytes)
-_MEG_CONFIG_LIMIT = 64 << 10
+_MEG_CONFIG = CONFIG
+_MEG_COMMON = COMMON
 
 #: Orbax: a step folder holds ``_CHECKPOINT_METADATA`` and one folder per item, each
 #: with ``_METADATA``, ``_sharding``, and (OCDBT) ``manifest.ocdbt``, ``d/``, ``ocdbt.process_N/``.
@@ -188,7 +187,7 @@ def _megatron_backend(store, size: int) -> str | None:
     the file says nothing of the kind (someone's own ``metadata.json`` beside DCP files)."""
     from .limits import load_json
 
-    if size > _MEG_CONFIG_LIMIT:
+    if size > CONFIG_LIMIT:
         return None
     try:
         doc = load_json(store.read(_MEG_CONFIG), store.display(_MEG_CONFIG))
@@ -229,6 +228,8 @@ def refuse_if_foreign(url: str, files: dict[str, int], store=None,
             return read  # a save folder with other checkpoint files at its top stays refused
     if name == MEGATRON_DIST and store is not None and not single:
         backend = _megatron_backend(store, files[_MEG_CONFIG])
+        if backend == "torch_dist" and ".metadata" in files:
+            return "megatron-dist"  # read: formats/megatron.py
         if backend:
             name = f"Megatron-core {backend}"
         elif _MEG_COMMON not in files and ".metadata" in files:
@@ -250,15 +251,15 @@ def _deepspeed_read(name: str) -> str | None:
 
 
 def refuse_megatron_plans(url: str, store, files: dict[str, int]) -> None:
-    """After the DCP reader refused a ``.metadata``: raise the refusal by name when the
-    pickle is Megatron-core's (it carries ``all_local_plans``, planner objects no DCP
-    reader needs), so the user hears what the folder is, not that its pickle is unsafe.
-    Reads ``.metadata`` again (the error path only; usually cached).
+    """After the DCP reader refused a ``.metadata``: when the pickle is Megatron-core's (it
+    carries ``all_local_plans``) the folder lacks the ``metadata.json`` that commits a
+    ``torch_dist`` save (the DCP reader gets none other): say that (``NOT_COMMITTED``), not
+    that its pickle is unsafe. Reads ``.metadata`` again (the error path only).
 
     >>> try:                                                    # doctest: +SKIP
     ...     dcp.read_dcp(store, files)
     ... except FormatError:
-    ...     refuse_megatron_plans("run/iter_0000010", store, files)  # raises by name
+    ...     refuse_megatron_plans("run/iter_0000010", store, files)  # not committed
     ...     raise
     """
     from .limits import MAX_METADATA_BYTES
@@ -273,7 +274,9 @@ def refuse_megatron_plans(url: str, store, files: dict[str, int]) -> None:
     except CkptError:
         return
     if b"all_local_plans" in raw:
-        raise not_read(url, MEGATRON_DIST) from None
+        raise FormatError(url, f"a {MEGATRON_DIST} checkpoint without metadata.json: "
+                          "Megatron writes it last, after every rank's data (the save did "
+                          "not finish)", code="NOT_COMMITTED") from None
 
 
 # ------------------------------------------------------------------ grouping a listing

@@ -72,6 +72,61 @@ def latest_tag(store: Store, files: dict[str, int], *, strict: bool = True) -> s
     return None
 
 
+#: Megatron's tracker: the iteration its loader resumes from (``20`` or ``release``).
+MEGATRON_TRACKER = "latest_checkpointed_iteration.txt"
+#: Files by which a framework names the checkpoint of a folder it resumes from.
+POINTER_FILES = (LATEST, LATEST_UNIVERSAL, MEGATRON_TRACKER)
+
+
+def pointer_target(file: str, text: str) -> str | None:
+    """The folder a pointer file's text names (DeepSpeed's ``latest``: the tag itself;
+    Megatron's tracker: ``iter_%07d`` of the iteration, or ``release``), or None for a
+    text that names no folder.
+
+    >>> pointer_target(MEGATRON_TRACKER, "20\n"), pointer_target(LATEST, "global_step5")
+    ('iter_0000020', 'global_step5')
+    >>> pointer_target(MEGATRON_TRACKER, "../x") is None
+    True
+    """
+    text = text.strip()
+    if file == MEGATRON_TRACKER:
+        if text == "release":
+            return "release"
+        return f"iter_{int(text):07d}" if text.isdigit() else None
+    return text if _TAG.match(text) and text not in (".", "..") else None
+
+
+def pointers(store: Store, files: dict[str, int], folders=("",)) -> list[dict]:
+    """The pointer files (:data:`POINTER_FILES`) of each of ``folders`` (relative to the
+    store; ``""`` its top) that ``files`` (the store's listing) holds, and what each names:
+    ``{"file", "names", "present"}`` (``file`` relative to the store; ``names`` None:
+    unreadable; ``present``: the folder it names is in the listing). One small read each,
+    nothing for a folder without one.
+
+    >>> import tempfile, pathlib; from ckptctl.storage import open_store
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / MEGATRON_TRACKER).write_text("30")
+    >>> pointers(open_store(str(d)), {MEGATRON_TRACKER: 2, "iter_0000020/common.pt": 9})
+    [{'file': 'latest_checkpointed_iteration.txt', 'names': 'iter_0000030', 'present': False}]
+    """
+    out = []
+    for folder in sorted(set(folders)):
+        base = f"{folder}/" if folder else ""
+        for name in POINTER_FILES:
+            f = base + name
+            if f not in files:
+                continue
+            target = None
+            if files[f] <= 4096:
+                try:
+                    target = pointer_target(name, store.read(f).decode("utf-8"))
+                except (UnicodeDecodeError, ValueError):
+                    target = None
+            out.append({"file": f, "names": target,
+                        "present": target is not None and any(x.startswith(f"{base}{target}/")
+                                                              for x in files)})
+    return out
+
+
 def deepspeed_tag(store: Store, files: dict[str, int]) -> str | None:
     """The tag a folder stands for when it is a DeepSpeed save folder (its top holds only
     ``latest`` and DeepSpeed's scripts) whose ``latest`` names a tag it holds; else None

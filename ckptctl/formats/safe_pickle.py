@@ -132,6 +132,15 @@ def dcp_allowed_globals(dtype_names) -> dict[tuple[str, str], object]:
     return allowed
 
 
+def planner_globals() -> dict[tuple[str, str], object]:
+    """The DCP planner classes Megatron-core pickles into ``.metadata`` (its
+    ``all_local_plans``: each rank's ``SavePlan`` of ``WriteItem`` s), as inert stand-ins;
+    no DCP reader needs them, only an unpickler that does not choke on them."""
+    pl = "torch.distributed.checkpoint.planner"
+    allowed: dict[tuple[str, str], object] = {
+        (pl, cls): record_class(cls) for cls in ("SavePlan", "WriteItem", "TensorWriteData")}
+    allowed[(pl, "WriteItemType")] = _enum_value
+    return allowed
 
 # --------------------------------------------------------------------------- weights-only scan
 

@@ -19,11 +19,14 @@ ranges of the rank files.
 from __future__ import annotations
 
 import io
+import math
 import threading
 
+from ..boxes import flat_range_boxes
 from ..errors import FormatError, UnsafeInputError
-from ..model import DTYPES, Extent
+from ..model import DTYPES, Checkpoint, Chunk, Extent, ObjectEntry, TensorEntry
 from ..storage import Store
+from .safe_pickle import Record
 from .torchzip import (LOCAL_HEADER_LEN, TAIL_GUESS, StoredTensor, ZipEntry, StorageRef,
                        StorageType, tensor_globals, central_directory, local_data_offset)
 
@@ -169,3 +172,79 @@ class TorchFile:
         base = self._data_offset(en) if count else 0
         return Extent(self.rel, base + dtype.nbytes(st.storage_offset + start),
                       dtype.nbytes(count), "raw")
+
+
+def plain(v):
+    """A stand-in record as a dict of its attributes; containers walked (no tensors).
+
+    >>> plain({"a": [1, (2, 3)]})
+    {'a': [1, (2, 3)]}
+    """
+    if isinstance(v, Record):
+        return {k: plain(x) for k, x in vars(v).items() if not k.startswith("_")}
+    if isinstance(v, dict):
+        return {k: plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(plain(x) for x in v)
+    return v
+
+
+class EntryBuilder:
+    """Adds entries to a checkpoint from parsed :class:`TorchFile` s: tensors from byte
+    ranges of the files, nested plain values flattened into object entries.
+
+    >>> b = EntryBuilder(Checkpoint("x", "torch"))                  # doctest: +SKIP
+    >>> b.objects("args", tf.obj["args"], tf); sorted(b.ck.objects)  # doctest: +SKIP
+    ['args.hidden_size', 'args.num_layers']
+    """
+
+    def __init__(self, ck: Checkpoint, default_file: str | None = None):
+        self.ck = ck
+        self.default_file = default_file  # where an empty tensor's (0-byte) chunk points
+
+    def name_free(self, name: str, where: str) -> None:
+        if name in self.ck.tensors or name in self.ck.objects:
+            raise FormatError(where, f"{name}: two entries of this name")
+
+    def tensor(self, name: str, dtype: str, shape: tuple[int, ...],
+               pieces: list[tuple[int, Extent]], where: str) -> TensorEntry:
+        """A tensor from flat pieces: (first flat element, raw extent of the piece)."""
+        self.name_free(name, where)
+        dt = DTYPES[dtype]
+        chunks = []
+        for first, ext in pieces:
+            count = ext.length // dt.itemsize
+            for (off, sz), base in flat_range_boxes(shape, first, first + count):
+                n = math.prod(sz)
+                chunks.append(Chunk(off, sz, Extent(ext.file, ext.offset + (base - first)
+                                                    * dt.itemsize, n * dt.itemsize, "raw")))
+        if not chunks:  # no elements: one empty chunk keeps the tensor's place
+            f = pieces[0][1].file if pieces else self.default_file
+            chunks.append(Chunk((0,) * len(shape), shape, Extent(f, 0, 0, "raw")))
+        t = TensorEntry(name, dt, shape, chunks)
+        self.ck.tensors[name] = t
+        return t
+
+    def stored(self, name: str, tf, st: StoredTensor, shape: tuple[int, ...] | None = None):
+        """A tensor stored whole in one rank file (a buffer, a 16-bit weight, a step)."""
+        shape = st.size if shape is None else shape
+        if math.prod(shape) != st.numel:
+            raise FormatError(tf.where, f"{name}: {st.numel} elements stored for shape "
+                              f"{list(shape)}")
+        return self.tensor(name, st.dtype, shape, [(0, tf.extent(st, name))], tf.where)
+
+    def objects(self, prefix: str, value, tf, *, tensors: bool = True) -> None:
+        """Flattened entries of a nested value; tensors in it become tensor entries."""
+        from .torchsave import flatten
+
+        for sub, v in flatten({"": value} if not isinstance(value, dict) else value,
+                              where=tf.where).items():
+            name = f"{prefix}.{sub}" if prefix and sub else (prefix or sub)
+            if isinstance(v, StoredTensor):
+                if not tensors:
+                    raise FormatError(tf.where, f"{name}: a tensor where plain values belong")
+                self.stored(name, tf, v)
+            else:
+                self.name_free(name, tf.where)
+                v = plain(v)
+                self.ck.objects[name] = ObjectEntry(name, None, value=v, type_name=type(v).__name__)

@@ -352,7 +352,7 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
     rows = {r.name: r for r in listing.checkpoints}
     foreign = _foreign(rows, list(rows), storage_options)  # confirms the rows it must read
     why_foreign = {n: f"holds files not its own ({foreign_list(f)})" for n, f in foreign.items()}
-    protect = {**_named_by_latest(rows, storage_options), **why_foreign, **(protect or {})}
+    protect = {**_named_by_latest(rows, listing.pointers), **why_foreign, **(protect or {})}
     if listed is not None:
         protect = {**{n: "appeared after the listing" for n in rows if n not in listed},
                    **protect}
@@ -387,29 +387,15 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
     return result
 
 
-def _named_by_latest(rows: dict[str, CheckpointRow],
-                     storage_options: dict | None) -> dict[str, str]:
-    """DeepSpeed tag folders their save folder's ``latest`` (or ``latest_universal``) names:
-    what ``engine.load_checkpoint(save_dir)`` resumes from, kept whatever the policy says
-    (one small read per save folder)."""
-    from ..formats.locate import LATEST, LATEST_UNIVERSAL
-    from ..storage import open_store
-
-    out: dict[str, str] = {}
-    seen: dict[str, set[str]] = {}
-    for name, row in rows.items():
-        if not (row.format or "").startswith("deepspeed"):
-            continue
-        parent, tag = posixpath.split(row.url.rstrip("/"))
-        if parent not in seen:
-            seen[parent] = set()
-            store = open_store(parent, storage_options)
-            for f in (LATEST, LATEST_UNIVERSAL):
-                if store.exists(f) and store.size(f) <= 4096:
-                    seen[parent].add(store.read(f).decode("utf-8", "replace").strip())
-        if tag in seen[parent]:
-            out[name] = "named by its save folder's latest (DeepSpeed resumes it)"
-    return out
+def _named_by_latest(rows: dict[str, CheckpointRow], found: list[dict]) -> dict[str, str]:
+    """Checkpoints a framework's pointer file beside them names (``found``: the listing's
+    :func:`~ckptctl.formats.locate.pointers`: DeepSpeed's ``latest`` / ``latest_universal``,
+    Megatron's ``latest_checkpointed_iteration.txt``): what the framework's own loader
+    resumes from, kept whatever the policy says."""
+    named = {posixpath.join(posixpath.dirname(p["file"]), p["names"]): p["file"]
+             for p in found if p["names"]}
+    return {name: f"named by {posixpath.basename(named[name])} (the framework resumes from it)"
+            for name in rows if name in named}
 
 
 def _foreign(rows: dict[str, CheckpointRow], names: list[str],

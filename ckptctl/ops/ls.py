@@ -28,6 +28,7 @@ from dataclasses import dataclass, field, fields
 
 from ..errors import CkptError, NotFoundError, StorageError, UnsupportedFormatError
 from ..formats.detect import detect_format, not_a_checkpoint, step_from_name
+from ..formats.locate import pointers
 from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest
 from ..formats.pack import is_pack
 from ..formats.torchsave import is_torch_file
@@ -81,10 +82,14 @@ class CheckpointRow:
 class LsResult:
     root: str
     checkpoints: list[CheckpointRow] = field(default_factory=list)
+    #: the root's pointer files (DeepSpeed's ``latest``, Megatron's tracker) and what each
+    #: names (:func:`~ckptctl.formats.locate.pointers`)
+    pointers: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         """The ``--json`` document: times as ISO-8601 UTC strings."""
-        return {"root": self.root, "checkpoints": [c.to_dict() for c in self.checkpoints]}
+        return {"root": self.root, "checkpoints": [c.to_dict() for c in self.checkpoints],
+                "pointers": self.pointers}
 
 
 def iso_utc(ts: float | None) -> str | None:
@@ -219,7 +224,8 @@ def ls(root: str, storage_options: dict | None = None, *, workers: int = 8,
         raise UnsupportedFormatError(root, f"not a checkpoint: {next(iter(skipped.values()))}")
     rows.sort(key=lambda r: (r.step is None, r.step if r.step is not None else 0,
                              natural_key(r.name)))
-    return LsResult(shown_root, rows)
+    parents = {posixpath.dirname(rel) for rel in groups} | {""}
+    return LsResult(shown_root, rows, pointers(store, files, parents) if not lone else [])
 
 
 def confirm(rows: list[CheckpointRow], storage_options: dict | None = None, *,

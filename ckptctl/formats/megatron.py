@@ -1,0 +1,104 @@
+"""Megatron-core ``torch_dist`` checkpoints (``dist_checkpointing.save``): a DCP folder plus
+what Megatron puts around it, read into the one logical model without Megatron.
+
+- ``.metadata`` is DCP's, with one more attribute, ``all_local_plans`` (the ranks' save
+  plans): read with the DCP allow-list plus exactly those planner classes
+  (:func:`~.safe_pickle.planner_globals`).
+- ``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``) is the commit marker:
+  Megatron writes it after every rank's data and ``.metadata``, so a folder without it is
+  a save that did not finish (``NOT_COMMITTED``).
+- The common state, ``common.pt`` (a ``torch.save`` of what every rank shares:
+  ``iteration``, ``args``, ``checkpoint_version``, the optimizer's param groups, the LR
+  scheduler), is parsed with the restricted loader (``argparse.Namespace`` as an inert
+  record) into plain entries under their own names; ``iteration`` is the step.
+- ShardedObjects (``<key>/shard_<offset>_<shape>``: RNG states, ``_extra_state``) stay
+  DCP byte entries, classed as ``rng`` / ``meta`` (:mod:`ckptctl.parts`), so ``--only
+  model`` selects tensors only.
+- Layers stacked on a leading axis (``decoder.layers.<name>`` of shape ``(num_layers,
+  ...)``) are read as stored; :func:`unstack_name` gives the per-layer names.
+
+>>> is_megatron_config({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
+True
+"""
+from __future__ import annotations
+
+from ..errors import FormatError
+from ..model import Checkpoint
+from ..storage import Store
+from .dcp import read_dcp
+from .limits import load_json
+from .safe_pickle import record_class
+from .torchfile import EntryBuilder, TorchFile
+
+CONFIG = "metadata.json"
+CONFIG_LIMIT = 64 << 10  # Megatron's is ~100 bytes
+COMMON = "common.pt"
+#: newer Megatron-core keeps the common state in the DCP files, as this bytes entry
+COMMON_ENTRY = "common_state/shard_0_1"
+#: the classes a common state pickles beside plain values and tensors
+COMMON_GLOBALS = {("argparse", "Namespace"): record_class("Namespace")}
+
+
+def is_megatron_config(doc) -> bool:
+    """Whether a parsed ``metadata.json`` is Megatron-core's ``torch_dist`` config."""
+    return isinstance(doc, dict) and doc.get("sharded_backend") == "torch_dist"
+
+
+def read_dist(store: Store, files: dict[str, int], *, strict: bool = True) -> Checkpoint:
+    """Read a ``torch_dist`` folder: ``metadata.json``, DCP's metadata (one GET each) and
+    the common state (three small reads of ``common.pt``).
+
+    >>> ck = read_dist(open_store("run/iter_0000020"), files)   # doctest: +SKIP
+    >>> ck.step, ck.info["origin"]                               # doctest: +SKIP
+    (20, 'Megatron-core torch_dist, checkpoint version 3.0')
+    """
+    where = store.display(CONFIG)
+    if CONFIG not in files:
+        raise FormatError(store.url, "a Megatron-core torch_dist checkpoint without "
+                          "metadata.json: Megatron writes it last (the save did not finish)",
+                          code="NOT_COMMITTED")
+    if files[CONFIG] > CONFIG_LIMIT:
+        raise FormatError(where, f"{files[CONFIG]} bytes: not Megatron's config")
+    config = load_json(store.read(CONFIG), where)
+    if not is_megatron_config(config):
+        raise FormatError(where, "not a Megatron-core torch_dist config (sharded_backend)")
+    ck = read_dcp(store, files, strict=strict, plans=True)
+    ck.info["megatron"] = {"backend": "torch_dist", "config": config}
+    notes = ck.info.setdefault("notes", [])
+    if COMMON in files:
+        tf = TorchFile(store, COMMON, files[COMMON], COMMON_GLOBALS)
+        if not isinstance(tf.obj, dict):
+            raise FormatError(tf.where, f"the common state is {type(tf.obj).__name__}, "
+                              "not a dict")
+        b = EntryBuilder(ck, default_file=COMMON)
+        for key, value in tf.obj.items():
+            if not isinstance(key, str):
+                raise FormatError(tf.where, f"common state key {key!r} is not a string")
+            b.objects(key, value, tf)
+        ck.info["megatron"]["common"] = COMMON
+        ck.info["zip_files"] = [COMMON]  # verify --level full checks its CRCs
+    elif COMMON_ENTRY in ck.objects:
+        ck.info["megatron"]["common"] = COMMON_ENTRY
+        notes.append(f"the common state (iteration, args) is the byte entry {COMMON_ENTRY}, "
+                     "kept as one object")
+    else:
+        notes.append("no common state (common.pt): no iteration or args recorded")
+    version = getattr(ck.objects.get("checkpoint_version"), "value", None)
+    ck.info["origin"] = "Megatron-core torch_dist" + (
+        f", checkpoint version {version}" if version is not None else "")
+    return ck
+
+
+def unstack_name(name: str, layer: int) -> str | None:
+    """The per-layer name of layer ``layer`` of a stacked entry (``decoder.layers.X`` of
+    shape ``(num_layers, ...)``), or None when ``name`` is no stacked entry.
+
+    >>> unstack_name("decoder.layers.mlp.linear_fc1.weight", 3)
+    'decoder.layers.3.mlp.linear_fc1.weight'
+    >>> unstack_name("decoder.layers.3.mlp.linear_fc1.weight", 0) is None
+    True
+    """
+    head, sep, rest = name.partition("layers.")
+    if not sep or (head and not head.endswith(".")) or not rest or rest.split(".", 1)[0].isdigit():
+        return None
+    return f"{head}layers.{layer}.{rest}"

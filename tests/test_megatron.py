@@ -1,0 +1,185 @@
+"""Megatron-core ``torch_dist`` checkpoints read through the verbs (issue 19), checked bit for
+bit against megatron-core's own views of the same files (tests/fixtures_megatron.py: a tiny
+``GPTModel`` saved by ``dist_checkpointing.save`` at TP=2 and at PP=2 on 2 gloo ranks, in
+Megatron's run layout; ``load_plain_tensors`` and ``load_common_state_dict`` as oracles).
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron.py
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import warnings
+from pathlib import Path
+
+import pytest
+
+from fixtures_torch import copy_ckpt
+from test_deepspeed import _json, _one_line, _same, _tensor
+
+torch = pytest.importorskip("torch")
+
+RUNS = ("tp2", "pp2")
+
+
+@pytest.fixture(params=RUNS)
+def run(request, megatron_ckpts):
+    return megatron_ckpts.dist(request.param)
+
+
+def _plain_tensors(run, it: int = 20) -> dict:
+    return {k: v for k, v in run.load_plain(it).items() if isinstance(v, torch.Tensor)}
+
+
+def _model_keys(plain: dict) -> list[str]:
+    return sorted(k for k in plain if not k.startswith("optimizer."))
+
+
+def test_every_tensor_equals_megatrons_load_plain_tensors(run):
+    from ckptctl.formats import open_checkpoint
+
+    ck = open_checkpoint(str(run.iter_dir(20)))
+    plain = _plain_tensors(run)
+    assert ck.format == "dcp" and ck.step == 20 and ck.info["step_source"] == "entry"
+    assert ck.info["origin"] == "Megatron-core torch_dist, checkpoint version 3.0"
+    assert set(plain) <= set(ck.tensors)
+    bad = [k for k, want in plain.items() if not _same(_tensor(ck, k), want)]
+    assert bad == []
+    # the rest of the tensors: the common state's (optimizer.state.common_step)
+    assert set(ck.tensors) - set(plain) == {"optimizer.state.common_step"}
+
+
+def test_common_state_entries_equal_load_common_state_dict(run):
+    from ckptctl.formats import open_checkpoint
+
+    ck = open_checkpoint(str(run.iter_dir(20)))
+    common = run.load_common(20)
+    objs = {k: o.value for k, o in ck.objects.items()}
+    assert objs["iteration"] == common["iteration"] == 20
+    assert objs["checkpoint_version"] == common["checkpoint_version"] == 3.0
+    # args (an argparse.Namespace, parsed as an inert record): one entry, its fields
+    assert objs["args"] == {k: v for k, v in vars(common["args"]).items()
+                            if not isinstance(v, torch.dtype)} | \
+        {k: str(v).removeprefix("torch.") for k, v in vars(common["args"]).items()
+         if isinstance(v, torch.dtype)}  # a torch dtype by its name
+    for k, v in common["opt_param_scheduler"].items():
+        assert objs[f"opt_param_scheduler.{k}"] == v, k
+    assert _same(_tensor(ck, "optimizer.state.common_step"), common["optimizer"]["state"]["common_step"])
+
+
+def test_inspect_says_framework_step_and_a_full_closure(run, cli):
+    r = _json(cli, "inspect", str(run.iter_dir(20)))
+    assert (r["format"], r["step"], r["step_source"]) == ("dcp", 20, "entry")
+    assert r["origin"] == "Megatron-core torch_dist, checkpoint version 3.0"
+    assert {k: v for k, v in r["closure"].items() if k != "dataloader"} == \
+        {"model": True, "optim": True, "lr_scheduler": True, "rng": True, "step": True,
+         "meta": True}
+    code, out, err = cli("inspect", str(run.iter_dir(10)))
+    assert code == 0 and "step 10 (from entry)" in out, out + err
+
+
+@pytest.mark.parametrize("to,suffix", [("safetensors", "model.safetensors"), ("torch", "model.pt")])
+def test_consolidate_only_model_equals_megatrons_tensors(run, cli, tmp_path, to, suffix):
+    """--only model selects the weights alone (ShardedObjects: _extra_state is meta, the RNG
+    state rng), so it reaches safetensors; every tensor equals load_plain_tensors'."""
+    out = tmp_path / "out"
+    code, so, err = cli("consolidate", str(run.iter_dir(20)), str(out), "--only", "model",
+                        "--to", to)
+    assert code == 0, so + err
+    if to == "safetensors":
+        from safetensors.torch import load_file
+
+        got = load_file(str(out / suffix))
+    else:
+        got = torch.load(out / suffix, weights_only=True)
+    plain = _plain_tensors(run)
+    assert sorted(got) == _model_keys(plain)
+    assert [k for k in got if not _same(got[k], plain[k])] == []
+
+
+def test_reshard_into_dcp_loads_with_dcp_load(run, cli, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    out = tmp_path / "dcp"
+    # Megatron's RNG state pickles numpy arrays, which the safe loader refuses to carry;
+    # at another layout Megatron itself cannot load it (one per TP x PP rank) and skips it
+    code, so, err = cli("reshard", str(run.iter_dir(20)), str(tmp_path / "no"), "--world-size", "3")
+    assert code == 1 and "rng_state/shard_0.0_" in err and "--drop" in err, err
+    code, so, err = cli("reshard", str(run.iter_dir(20)), str(out), "--world-size", "3",
+                        "--drop", "rng_state/*")
+    assert code == 0, so + err
+    plain = _plain_tensors(run)
+    sd = {k: torch.full_like(v, float("nan")) for k, v in plain.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=str(out), no_dist=True)
+    assert [k for k in plain if not _same(sd[k], plain[k])] == []
+
+
+# ------------------------------------------------------------------ the run root
+
+
+def test_ls_latest_and_gc_of_a_run_root_honour_the_tracker(megatron_ckpts, cli, tmp_path):
+    run = copy_ckpt(megatron_ckpts.dist("tp2").run, tmp_path / "run")
+    r = _json(cli, "ls", str(run))
+    assert [(c["name"], c["step"], c["state"]) for c in r["checkpoints"]] == \
+        [("iter_0000010", 10, "complete"), ("iter_0000020", 20, "complete")]
+    assert r["pointers"] == [{"file": "latest_checkpointed_iteration.txt",
+                              "names": "iter_0000020", "present": True}]
+    code, out, err = cli("latest", str(run))
+    assert (code, out.strip()) == (0, str(run / "iter_0000020")), err
+    # the tracker names the older one (a save after it did not update it): gc keeps it
+    (run / "latest_checkpointed_iteration.txt").write_text("10")
+    r = _json(cli, "gc", str(run), "--keep-last", "1")
+    assert sorted(p.name for p in run.iterdir()) == \
+        ["iter_0000010", "iter_0000020", "latest_checkpointed_iteration.txt"], r
+    # a tracker naming a folder that is gone: one line, and ls still lists the rest
+    (run / "latest_checkpointed_iteration.txt").write_text("30")
+    code, out, err = cli("ls", str(run))
+    assert code == 0 and "iter_0000020" in out
+    _one_line(err, "ckptctl: warning: latest_checkpointed_iteration.txt names iter_0000030, "
+                   "which is not here")
+
+
+# ------------------------------------------------------------------ broken, hostile
+
+
+def test_a_folder_without_metadata_json_is_not_committed(megatron_ckpts, cli, tmp_path):
+    ck = copy_ckpt(megatron_ckpts.dist("tp2").iter_dir(20), tmp_path / "iter_0000020")
+    (ck / "metadata.json").unlink()
+    code, out, err = cli("inspect", str(ck))
+    assert (code, out) == (3, ""), err
+    _one_line(err, "without metadata.json", "Megatron writes it last")
+    code, out, err = cli("inspect", str(ck), "--json")
+    assert json.loads(out)["error"]["code"] == "NOT_COMMITTED"
+    r = _json(cli, "ls", str(tmp_path))
+    assert [(c["name"], c["state"]) for c in r["checkpoints"]] == [("iter_0000020", "incomplete")]
+
+
+class _Payload:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_metadata_pickle_naming_anything_else_is_refused(megatron_ckpts, cli, tmp_path):
+    """The planner classes are admitted, nothing more: a payload hidden in all_local_plans
+    is refused before anything runs."""
+    ck = copy_ckpt(megatron_ckpts.dist("tp2").iter_dir(20), tmp_path / "iter_0000020")
+    md = pickle.loads((ck / ".metadata").read_bytes())
+    md.all_local_plans[0] = dataclasses.replace(md.all_local_plans[0], planner_data=_Payload())
+    (ck / ".metadata").write_bytes(pickle.dumps(md))
+    code, out, err = cli("inspect", str(ck), "--json")
+    e = json.loads(out)["error"]
+    assert e["code"] == "UNSAFE_INPUT" and "posix.system" in e["message"], e
+    assert not (Path.cwd() / "PWNED").exists() and not (ck / "PWNED").exists()
+
+
+def test_a_different_sharded_backend_is_refused_by_name(megatron_ckpts, cli, tmp_path):
+    ck = copy_ckpt(megatron_ckpts.dist("tp2").iter_dir(20), tmp_path / "iter_0000020")
+    (ck / "metadata.json").write_text(json.dumps({"sharded_backend": "zarr"}))
+    code, out, err = cli("inspect", str(ck))
+    assert (code, out) == (3, ""), err
+    _one_line(err, "looks like Megatron-core zarr")
