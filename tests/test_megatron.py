@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import pickle
 import warnings
 from pathlib import Path
@@ -183,3 +184,43 @@ def test_a_different_sharded_backend_is_refused_by_name(megatron_ckpts, cli, tmp
     code, out, err = cli("inspect", str(ck))
     assert (code, out) == (3, ""), err
     _one_line(err, "looks like Megatron-core zarr")
+
+
+def _equal_tree(a, b, path="") -> list[str]:
+    """Paths where two nested dicts of tensors differ (bit for bit)."""
+    if isinstance(a, dict):
+        if a.keys() != b.keys():
+            return [f"{path}: keys {sorted(map(str, a.keys() ^ b.keys()))}"]
+        return [p for k in a for p in _equal_tree(a[k], b[k], f"{path}.{k}")]
+    if isinstance(a, torch.Tensor):
+        return [] if _same(a, b) else [path]
+    return [] if a == b else [path]
+
+
+def test_a_reshard_stays_torch_dist_and_megatron_loads_it_at_another_tp(megatron_ckpts, cli,
+                                                                         tmp_path):
+    """reshard of a torch_dist checkpoint writes DCP plus Megatron's common.pt and, last,
+    metadata.json; megatron-core's own dist_checkpointing.load at TP=1 (1 rank) gives the
+    state it gives for the source itself: weights, Adam state, scheduler, iteration."""
+    import subprocess
+    import sys
+
+    from fixtures_megatron import WRITER
+
+    run = megatron_ckpts.dist("tp2")
+    out = tmp_path / "run" / "iter_0000020"
+    code, so, err = cli("reshard", str(run.iter_dir(20)), str(out), "--world-size", "3",
+                        "--drop", "rng_state/*")
+    assert code == 0, so + err
+    assert {"common.pt", "metadata.json", ".metadata"} <= {p.name for p in out.iterdir()}
+    assert (out / "common.pt").read_bytes() == (run.iter_dir(20) / "common.pt").read_bytes()
+    got = tmp_path / "reload.pt"
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=1", str(WRITER), "reload", "--ckpt", str(out),
+                        "--tp", "1", "--pp", "1", "--out", str(got)],
+                       capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    mine, theirs = torch.load(got, weights_only=False), run.load_reload("tp1pp1")
+    assert _equal_tree(mine[0], theirs[0]) == []
+    assert (mine["iteration"], mine["scheduler"]) == (theirs["iteration"], theirs["scheduler"])

@@ -71,11 +71,14 @@ def read_dist(store: Store, files: dict[str, int], *, strict: bool = True) -> Ch
             raise FormatError(tf.where, f"the common state is {type(tf.obj).__name__}, "
                               "not a dict")
         b = EntryBuilder(ck, default_file=COMMON)
+        before = set(ck.tensors) | set(ck.objects)
         for key, value in tf.obj.items():
             if not isinstance(key, str):
                 raise FormatError(tf.where, f"common state key {key!r} is not a string")
             b.objects(key, value, tf)
         ck.info["megatron"]["common"] = COMMON
+        ck.info["megatron"]["common_entries"] = sorted((set(ck.tensors) | set(ck.objects))
+                                                       - before)
         ck.info["zip_files"] = [COMMON]  # verify --level full checks its CRCs
     elif COMMON_ENTRY in ck.objects:
         ck.info["megatron"]["common"] = COMMON_ENTRY
@@ -102,3 +105,27 @@ def unstack_name(name: str, layer: int) -> str | None:
     if not sep or (head and not head.endswith(".")) or not rest or rest.split(".", 1)[0].isdigit():
         return None
     return f"{head}layers.{layer}.{rest}"
+
+
+def torch_dist_files(ck: Checkpoint, kept: set[str]) -> tuple[set[str], list[tuple[str, bytes]]]:
+    """What a DCP copy of Megatron checkpoint ``ck`` needs to stay a ``torch_dist``
+    checkpoint: the common-state entries (to leave out of the DCP files) and the files to
+    write after ``.metadata``: the source's ``common.pt`` (its bytes as they are: every
+    entry of it is kept, or this refuses) and ``metadata.json`` last, the commit marker.
+
+    >>> torch_dist_files(Checkpoint("x", "dcp"), set())
+    (set(), [])
+    """
+    meg = ck.info.get("megatron")
+    if not meg:
+        return set(), []
+    common = set(meg.get("common_entries", ()))
+    after = []
+    if meg.get("common") == COMMON:
+        dropped = sorted(common - kept)
+        if dropped:
+            raise FormatError(ck.root, f"{dropped[0]} is part of Megatron's common state "
+                              f"({COMMON}), which is carried whole: keep it")
+        after.append((COMMON, ck.store.read(COMMON)))
+    after.append((CONFIG, ck.store.read(CONFIG)))
+    return common, after

@@ -383,12 +383,26 @@ class Copied:
         return sum(n for _, n in self.hashes.values())
 
 
+def _write_after(out: OutputDir, hashes: dict, after: list[tuple[str, bytes]]) -> None:
+    """Write the files that commit a framework's layout on top of DCP (Megatron's
+    ``common.pt``, then ``metadata.json``), in order, after ``.metadata``."""
+    from ..storage.hashing import HashingWriter
+
+    for rel, data in after:
+        with out.open(rel) as f:
+            w = HashingWriter(f)
+            w.write(data)
+        hashes[rel] = w.result()
+
+
 def copy_to_dcp(ck: Checkpoint, plan: Plan, dst: str, *, max_memory: int, workers: int,
                 storage_options: dict | None = None, convert_dtype: str | None = None,
                 force: bool = False, command: str = "reshard", source: str | None = None,
-                on_bytes: Callable[[int], None] | None = None, group=None) -> Copied:
+                on_bytes: Callable[[int], None] | None = None, group=None,
+                after: list[tuple[str, bytes]] | None = None) -> Copied:
     """Execute ``plan`` over ``ck`` into a new DCP checkpoint at ``dst``: data files, then
-    ``.metadata``, then the manifest (sealed from the hashes computed while writing).
+    ``.metadata``, then the ``after`` files in order (``(name, bytes)``: what a framework
+    adds to DCP), then the manifest (sealed from the hashes computed while writing).
 
     ``dst`` must be new or empty; ``force`` replaces what it holds. ``convert_dtype``
     (``bfloat16``...) converts floating tensors on the way. Memory stays within about
@@ -401,18 +415,20 @@ def copy_to_dcp(ck: Checkpoint, plan: Plan, dst: str, *, max_memory: int, worker
         return _copy_to_dcp_shared(ck, plan, dst, max_memory=max_memory, workers=workers,
                                    storage_options=storage_options, convert_dtype=convert_dtype,
                                    force=force, command=command, source=source,
-                                   on_bytes=on_bytes, group=group)
+                                   on_bytes=on_bytes, group=group, after=after or [])
     with OutputDir(open_store(dst, storage_options), command=command, force=force,
                    source=source) as out:
         writer = write_dcp(ck, plan, out, max_memory=max_memory, workers=workers,
                            convert_dtype=convert_dtype, on_bytes=on_bytes)
+        hashes = dict(writer.hashes)
+        _write_after(out, hashes, after or [])
         out.commit()
-        mid = commit_written(out.store, writer.hashes, step=ck.step)
-    return Copied(dict(writer.hashes), mid)
+        mid = commit_written(out.store, hashes, step=ck.step)
+    return Copied(hashes, mid)
 
 
 def _copy_to_dcp_shared(ck, plan, dst, *, max_memory, workers, storage_options, convert_dtype,
-                        force, command, source, on_bytes, group) -> Copied:
+                        force, command, source, on_bytes, group, after) -> Copied:
     """:func:`copy_to_dcp` as one process of ``group`` (:func:`~ckptctl.ops.distributed.write_shared`)."""
     from ..formats.dcp_write import rank_file
     from .distributed import dcp_report, merge_dcp, write_shared
@@ -430,8 +446,10 @@ def _copy_to_dcp_shared(ck, plan, dst, *, max_memory, workers, storage_options, 
         for rep in reports:
             merge_dcp(writer, rep)
         writer.commit(planner_data(ck, plan))
+        hashes = dict(writer.hashes)
+        _write_after(out, hashes, after)
         out.commit()
-        return Copied(dict(writer.hashes), commit_written(out.store, writer.hashes, step=ck.step))
+        return Copied(hashes, commit_written(out.store, hashes, step=ck.step))
 
     planned = [rank_file(r) for r, cs in plan.by_rank().items() if cs or r == 0]
     done = write_shared(group, out, write, finish, planned=planned)

@@ -18,6 +18,7 @@ from typing import Callable
 from .._deps import check_torch
 from ..errors import UsageError
 from ..formats.detect import open_checkpoint
+from ..formats.megatron import torch_dist_files
 from ..layout import Rules, load_rules, parse_mesh, preset
 from .copier import check_objects, copy_to_dcp
 from .planner import dropped, make_plan, rule_report
@@ -146,6 +147,10 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
 
     gone = dropped(ck, drop)
     keep = None if not gone else set(ck.tensors).union(ck.objects).difference(gone)
+    # a Megatron torch_dist source stays one: its common state is carried as common.pt
+    common, after = torch_dist_files(ck, set(ck.tensors).union(ck.objects).difference(gone))
+    if common:
+        keep = set(ck.tensors).union(ck.objects).difference(gone, common)
     refuse_opaque(ck, None if keep is None else keep.intersection(ck.objects), verb="reshard",
                   hint="reshard carries every entry: first write the parts it can carry with "
                   "consolidate --to dcp --only model,optim, or leave {them} out with --drop")
@@ -167,7 +172,7 @@ def reshard(src: str, dst: str, *, mesh: str | None = None, rules: str | None = 
                            storage_options=storage_options if dst_storage_options is None
                            else dst_storage_options,
                            force=force, command="reshard", source=src, on_bytes=on_bytes,
-                           group=group)
+                           group=group, after=after)
         result.manifest_id = done.manifest_id
         result.files = sorted(done.hashes)
         result.num_files = len(result.files)
