@@ -21,7 +21,8 @@ import re
 from ..errors import CkptError, FormatError, UnsupportedFormatError, UsageError
 from ..model import Checkpoint, natural_key
 from ..storage import Store
-from . import composite, dcp, deepspeed, foreign, megatron, safetensors, torchsave
+from . import (composite, dcp, deepspeed, foreign, megatron, megatron_legacy, safetensors,
+               torchsave)
 from .locate import file_format as _file_format
 from .locate import latest_tag, locate
 from .manifest import MANIFEST, WRITING_MARKER, read_manifest
@@ -35,7 +36,7 @@ _STEP_PATTERNS = [re.compile(p) for p in (
 _LIGHTNING_STEP = re.compile(r"(?:^|[-_])step=(\d+)(?=[-_.]|$)")
 
 #: Entries that hold the step, first found wins (torch.save, Lightning ``.ckpt``, folders).
-STEP_ENTRIES = ("step", "global_step", "train_state.step", "trainer.step")
+STEP_ENTRIES = ("step", "global_step", "train_state.step", "trainer.step", "iteration")
 
 
 def step_from_name(url: str) -> int | None:
@@ -141,6 +142,8 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
         ck = deepspeed.read_universal(store, files)
     elif fmt == "megatron-dist":
         ck = megatron.read_dist(store, files, strict=strict)
+    elif fmt == "megatron-legacy":
+        ck = megatron_legacy.read_legacy(store, files)
     elif fmt == "dcp":
         try:
             ck = dcp.read_dcp(store, files, strict=strict)

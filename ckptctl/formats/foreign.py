@@ -33,6 +33,7 @@ from ..model import natural_key
 from .deepspeed import ZERO3_MODEL
 from .locate import DEEPSPEED_SAVE_SIDE, LATEST, LATEST_UNIVERSAL
 from .megatron import COMMON, CONFIG, CONFIG_LIMIT
+from .megatron_legacy import is_legacy
 
 #: DeepSpeed's own globs: ``*_model_states.pt`` (``mp_rank_XX_``, ZeRO-3's
 #: ``zero_pp_rank_D_mp_rank_XX_``, pipeline ``layer_XX-...-``, MoE ``..._expert_E_...``)
@@ -54,6 +55,8 @@ _DS_UNIVERSAL = re.compile(r"^zero/(?:[^/]+/(?:fp32|exp_avg|exp_avg_sq|step)|opt
 _MEG_RANK_DIR = re.compile(r"^mp_rank_\d+(?:_\d+){0,2}$")
 _MEG_FILES = {"model_optim_rng.pt", "distrib_optim.pt"}
 _MEG_TRACKER = "latest_checkpointed_iteration.txt"
+#: what may sit beside the rank folders of a legacy iteration folder that ckptctl reads
+_LEGACY_SIDE = {"ckptctl.manifest.json", ".ckptctl-pinned"}
 _MEG_CONFIG = CONFIG
 _MEG_COMMON = COMMON
 
@@ -226,6 +229,12 @@ def refuse_if_foreign(url: str, files: dict[str, int], store=None,
         top = {f for f in files if "/" not in f}
         if read != "deepspeed-save" or top <= _DS_SAVE_SIDE:
             return read  # a save folder with other checkpoint files at its top stays refused
+    if name.startswith("Megatron legacy") and single:
+        raise not_read(url, f"{name}: one rank's file; open the iteration folder that holds "
+                       "them all")
+    if name.startswith("Megatron legacy") and is_legacy(files) and not any(
+            "/" not in f and f not in _LEGACY_SIDE for f in files):
+        return "megatron-legacy"  # read: formats/megatron_legacy.py
     if name == MEGATRON_DIST and store is not None and not single:
         backend = _megatron_backend(store, files[_MEG_CONFIG])
         if backend == "torch_dist" and ".metadata" in files:

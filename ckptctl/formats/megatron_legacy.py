@@ -1,0 +1,300 @@
+"""Megatron legacy checkpoints (``--ckpt-format torch``): one ``torch.save`` per tensor- and
+pipeline-parallel rank, ``iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt``, merged into the one
+logical model without Megatron and without torch.
+
+The model's shards join by rules that say how each parameter is split (:data:`GPT_RULES`,
+Megatron-core's GPT/Llama naming, the layers of ``tensor_parallel/layers.py``):
+
+- ``column``: split on dim 0 (``linear_qkv``: the fused QKV kept as stored, grouped per
+  query group), ``vocab``: split on dim 0, the padded vocabulary kept whole (its padding
+  rows are the model's: a resume needs them; a note gives the true vocabulary size);
+- ``row``: split on dim 1 (``linear_proj``, ``linear_fc2`` weights);
+- ``swiglu``: ``linear_fc1`` of a gated MLP: rank t holds ``cat(gate_t, up_t)``, so its
+  two halves go to ``gate`` rows ``t`` and ``up`` rows ``t`` of the logical ``[gate; up]``;
+- ``replicated``: layer norms, position embeddings, row-parallel biases: read from TP rank
+  0, every other rank's copy compared byte for byte;
+- ``extra``: ``_extra_state`` (Transformer Engine's bytes, or None): an object, TP rank 0's.
+
+Pipeline stages number their layers from 0; stage ``p`` of ``PP`` holds global layers
+``p * L/PP ...`` (``args.num_layers``), renumbered here. What no rule names, uneven or
+virtual pipeline stages, and the distributed optimizer's ``distrib_optim.pt`` are refused
+by name. The optimizer state (indexed by Megatron's parameter order, which the file does
+not name) and the RNG state stay each rank's own: ``optimizer.mp_rank_TT_PPP.*``,
+``rng_state.mp_rank_TT_PPP.*``; their numpy parts are opaque (never rebuilt).
+
+>>> rank_of("mp_rank_01_002/model_optim_rng.pt"), rank_of("mp_rank_03/model_optim_rng.pt")
+((1, 2), (3, 0))
+"""
+from __future__ import annotations
+
+import math
+import re
+
+from ..errors import FormatError, UnsupportedFormatError
+from ..model import DTYPES, Checkpoint, Chunk, Extent, ObjectEntry, TensorEntry
+from ..storage import Store
+from .safe_pickle import record_class
+from .torchfile import EntryBuilder, TorchFile
+from .torchzip import StoredTensor
+
+RANK_FILE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?/model_optim_rng\.pt$")
+#: (pattern on a parameter's name within ``model``, how it is split); first match wins
+GPT_RULES: list[tuple[re.Pattern, str]] = [(re.compile(p), kind) for p, kind in [
+    (r"_extra_state$", "extra"),
+    (r"(^|\.)word_embeddings\.weight$", "vocab"),
+    (r"(^|\.)output_layer\.weight$", "vocab"),
+    (r"\.linear_fc1\.(weight|bias)$", "fc1"),  # column, or swiglu when args.swiglu
+    (r"\.linear_qkv\.(weight|bias)$", "column"),
+    (r"\.(linear_proj|linear_fc2)\.weight$", "row"),
+    (r"\.(linear_proj|linear_fc2)\.bias$", "replicated"),
+    (r"(layer_norm_(weight|bias)|layernorm\.(weight|bias))$", "replicated"),
+    (r"(^|\.)position_embeddings\.weight$", "replicated"),
+]]
+_LAYER = re.compile(r"^(decoder\.layers\.)(\d+)(\..*)$")
+OPAQUE = "opaque"  # the composite reader's encoding of a never-unpickled object
+
+
+class _Opaque:
+    """What a pickle builds from numpy (an RNG state's arrays): kept, never rebuilt."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        pass
+
+
+class _Bytes:
+    """``io.BytesIO`` (Transformer Engine's ``_extra_state``): its contents."""
+
+    def __setstate__(self, state):
+        self.data = bytes(state[0]) if isinstance(state, tuple) and state else b""
+
+
+def _opaque(*args):
+    return _Opaque()
+
+
+def _encode(text, encoding="latin1"):
+    return text.encode(encoding) if isinstance(text, str) else bytes(text)
+
+
+#: the classes a legacy rank file pickles beside tensors and plain values
+GLOBALS = {("argparse", "Namespace"): record_class("Namespace"), ("_io", "BytesIO"): _Bytes,
+           ("_codecs", "encode"): _encode}
+for _mod in ("numpy.core.multiarray", "numpy._core.multiarray"):
+    GLOBALS[(_mod, "_reconstruct")] = _opaque
+    GLOBALS[(_mod, "scalar")] = _opaque
+for _mod in ("numpy", "numpy.dtypes"):
+    GLOBALS[(_mod, "ndarray")] = _Opaque
+    GLOBALS[(_mod, "dtype")] = _Opaque
+    GLOBALS[(_mod, "UInt32DType")] = _Opaque
+
+
+def rank_of(rel: str) -> tuple[int, int] | None:
+    """(tp, pp) of a rank file's path in an iteration folder, or None."""
+    m = RANK_FILE.match(rel)
+    return (int(m.group(1)), int(m.group(2) or 0)) if m else None
+
+
+def is_legacy(files: dict[str, int]) -> bool:
+    """An iteration folder of rank files (and nothing but ckptctl's own beside them)."""
+    return any(RANK_FILE.match(f) for f in files)
+
+
+def _refuse(where: str, what: str) -> UnsupportedFormatError:
+    e = UnsupportedFormatError(where, f"not a layout ckptctl reads: Megatron legacy {what}")
+    e.framework = "Megatron legacy"
+    return e
+
+
+def _has_opaque(v) -> bool:
+    if isinstance(v, _Opaque):
+        return True
+    if isinstance(v, dict):
+        return any(_has_opaque(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_opaque(x) for x in v)
+    return False
+
+
+def _value(v):
+    """A parsed value with ``_Bytes`` as plain bytes (containers walked)."""
+    if isinstance(v, _Bytes):
+        return getattr(v, "data", b"")
+    if isinstance(v, dict):
+        return {k: _value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_value(x) for x in v)
+    return v
+
+
+def read_legacy(store: Store, files: dict[str, int]) -> Checkpoint:
+    """Read an iteration folder of legacy rank files into one logical model (the rank
+    files' pickles only: a few small reads each; tensor bytes stay where they are).
+
+    >>> ck = read_legacy(open_store("run/iter_0000020"), files)          # doctest: +SKIP
+    >>> ck.tensors["model.decoder.layers.3.mlp.linear_fc2.weight"].shape  # doctest: +SKIP
+    (16, 32)
+    """
+    where = store.url
+    if any(f.endswith("/distrib_optim.pt") or f == "distrib_optim.pt" for f in files):
+        raise _refuse(where, "Megatron's distributed optimizer (distrib_optim.pt: flat "
+                      "buffers whose parameter mapping is not in the checkpoint)")
+    ranks = {rank_of(f): f for f in files if rank_of(f)}
+    tps = sorted({t for t, _ in ranks})
+    pps = sorted({p for _, p in ranks})
+    tp, pp = len(tps), len(pps)
+    if tps != list(range(tp)) or pps != list(range(pp)) or len(ranks) != tp * pp:
+        missing = [f"mp_rank_{t:02d}_{p:03d}" for t in range(max(tps) + 1)
+                   for p in range(max(pps) + 1) if (t, p) not in ranks]
+        raise FormatError(where, f"rank files missing: {', '.join(missing[:4]) or '?'}")
+    loaded = {r: TorchFile(store, f, files[f], GLOBALS) for r, f in sorted(ranks.items())}
+    for r, tf in loaded.items():
+        if not isinstance(tf.obj, dict) or not isinstance(tf.obj.get("model"), dict):
+            raise _refuse(tf.where, "a rank file without one 'model' state dict (virtual "
+                          "pipeline stages: model0, model1, ...)" if isinstance(tf.obj, dict)
+                          and "model0" in tf.obj else "a rank file without a 'model' dict")
+    first = loaded[(0, 0)]
+    args = first.obj.get("args")
+    argv = vars(args) if args is not None and hasattr(args, "__dict__") else {}
+    layers = argv.get("num_layers")
+    if pp > 1 and (not isinstance(layers, int) or layers % pp):
+        raise _refuse(first.where, f"pipeline stages of uneven size ({layers} layers over "
+                      f"{pp} stages)")
+    per_stage = layers // pp if pp > 1 else None
+    swiglu = bool(argv.get("swiglu"))
+    ck = Checkpoint(root=store.url, format="megatron-legacy", store=store, files=dict(files))
+    ck.info["megatron"] = {"layout": "legacy", "tp": tp, "pp": pp}
+    ck.info["zip_files"] = [tf.rel for tf in loaded.values()]
+    b = EntryBuilder(ck, default_file=first.rel)
+    pieces: dict[str, list] = {}  # global name -> [(tp, kind, stored, tf)]
+    for (t, p), tf in loaded.items():
+        for name, v in tf.obj["model"].items():
+            if not isinstance(name, str):
+                raise FormatError(tf.where, f"model key {name!r} is not a string")
+            m = _LAYER.match(name)
+            if m and pp > 1:
+                local = int(m.group(2))
+                if local >= per_stage:
+                    raise FormatError(tf.where, f"{name}: stage {p} holds layers 0..{per_stage - 1}")
+                name = f"{m.group(1)}{p * per_stage + local}{m.group(3)}"
+            pieces.setdefault(name, []).append((t, p, v, tf))
+    for name, got in pieces.items():
+        _merge(b, f"model.{name}", name, got, tp, swiglu)
+    for key, value in first.obj.items():
+        if key in ("model", "optimizer", "rng_state"):
+            continue
+        _objects(b, key, value, first)
+    for (t, p), tf in loaded.items():
+        tag = f"mp_rank_{t:02d}_{p:03d}" if pp > 1 else f"mp_rank_{t:02d}"
+        for key in ("optimizer", "rng_state"):
+            if tf.obj.get(key) is not None:
+                _objects(b, f"{key}.{tag}", tf.obj[key], tf)
+    vocab = argv.get("vocab_size")
+    notes = ck.info.setdefault("notes", [])
+    notes.append(f"merged from TP {tp} x PP {pp} rank files by the GPT rules "
+                 "(column/vocab dim 0, row dim 1, SwiGLU fc1 as [gate; up], replicated "
+                 "copies compared)")
+    if isinstance(vocab, int):
+        notes.append(f"embeddings keep the padded vocabulary ({argv.get('padded_vocab_size')} "
+                     f"rows; the tokenizer's is {vocab})")
+    if any(k.startswith("optimizer.") for k in ck.tensors):
+        notes.append("optimizer state stays per rank (optimizer.mp_rank_*): it is indexed by "
+                     "Megatron's parameter order, which the files do not name")
+    ck.info["origin"] = f"Megatron legacy, TP {tp} x PP {pp}"
+    it = first.obj.get("iteration")
+    if isinstance(it, int) and not isinstance(it, bool):
+        ck.step = it
+    return ck
+
+
+def _objects(b: EntryBuilder, prefix: str, value, tf) -> None:
+    """Entries of a nested value; a part that holds numpy objects becomes one opaque
+    object (kept, never rebuilt: a conversion refuses it unless dropped)."""
+    if _has_opaque(value) and not isinstance(value, dict):
+        b.name_free(prefix, tf.where)
+        b.ck.objects[prefix] = ObjectEntry(prefix, Extent(tf.rel, 0, 0, OPAQUE),
+                                           type_name=type(value).__name__)
+        return
+    if isinstance(value, dict) and _has_opaque(value):
+        for k, v in value.items():
+            _objects(b, f"{prefix}.{k}", v, tf)
+        return
+    if isinstance(value, (list, tuple)) and any(isinstance(x, dict) for x in value):
+        for i, v in enumerate(value):
+            _objects(b, f"{prefix}.{i}", v, tf)
+        return
+    b.objects(prefix, _value(value), tf)
+
+
+def _rule(name: str, swiglu: bool) -> str | None:
+    for pat, kind in GPT_RULES:
+        if pat.search(name):
+            return ("swiglu" if swiglu else "column") if kind == "fc1" else kind
+    return None
+
+
+def _merge(b: EntryBuilder, entry: str, name: str, got: list, tp: int, swiglu: bool) -> None:
+    """One logical entry from the TP ranks' pieces of one (global) parameter."""
+    got.sort(key=lambda x: x[0])
+    tf0 = got[0][3]
+    kind = _rule(name, swiglu)
+    if kind == "extra" or not isinstance(got[0][2], StoredTensor):
+        if kind not in ("extra", None) and got[0][2] is not None:
+            raise FormatError(tf0.where, f"model.{name}: {type(got[0][2]).__name__}, not a tensor")
+        b.objects(entry, _value(got[0][2]), tf0)
+        return
+    if kind is None:
+        raise _refuse(tf0.where, f"parameter {name}: no rule says how Megatron splits it "
+                      "over tensor-parallel ranks")
+    if [t for t, *_ in got] != list(range(tp)):
+        raise FormatError(tf0.where, f"{name}: held by TP ranks {[t for t, *_ in got]}, "
+                          f"not all {tp}")
+    sts = [st for _, _, st, _ in got]
+    if any(not isinstance(st, StoredTensor) for st in sts) or len({st.size for st in sts}) != 1 \
+            or len({st.dtype for st in sts}) != 1:
+        raise FormatError(tf0.where, f"{name}: the TP ranks hold different shapes or dtypes")
+    shape, dtype = sts[0].size, sts[0].dtype
+    if kind == "replicated" or tp == 1:
+        want = _bytes(got[0])
+        for t, p, st, tf in got[1:]:
+            if _bytes((t, p, st, tf)) != want:
+                raise FormatError(tf.where, f"{name}: replicated, but TP rank {t}'s copy "
+                                  "differs from TP rank 0's")
+        b.stored(entry, tf0, sts[0])
+        return
+    dim = 1 if kind == "row" else 0
+    if len(shape) <= dim:
+        raise FormatError(tf0.where, f"{name}: {len(shape)}-dim, split on dim {dim}?")
+    full = list(shape)
+    full[dim] *= tp
+    b.name_free(entry, tf0.where)
+    t_entry = TensorEntry(entry, DTYPES[dtype], tuple(full), [])
+    for t, p, st, tf in got:
+        rows = shape[0]
+        if kind == "swiglu":
+            if rows % 2:
+                raise FormatError(tf.where, f"{name}: SwiGLU fc1 with an odd row count")
+            half = rows // 2
+            for part in (0, 1):  # gate rows, then up rows
+                n = half * _inner(shape)
+                ext = tf.extent(st, name, start=part * n, count=n)
+                t_entry.chunks.append(Chunk((part * half * tp + t * half,)
+                                            + (0,) * (len(shape) - 1),
+                                            (half,) + tuple(shape[1:]), ext))
+        else:
+            offs = [0] * len(shape)
+            offs[dim] = t * shape[dim]
+            t_entry.chunks.append(Chunk(tuple(offs), tuple(shape), tf.extent(st, name)))
+    b.ck.tensors[entry] = t_entry
+
+
+def _inner(shape) -> int:
+    return math.prod(shape[1:])
+
+
+def _bytes(piece) -> bytes:
+    t, p, st, tf = piece
+    ext = tf.extent(st, "")
+    return tf.store.read_range(ext.file, ext.offset, ext.offset + ext.length)

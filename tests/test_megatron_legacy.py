@@ -1,0 +1,130 @@
+"""Megatron legacy checkpoints (``iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt``, issue 19)
+merged into logical tensors by the GPT rules, checked bit for bit against the full tensors
+the rank files were cut from (tests/fixtures/write_megatron_legacy.py splits them exactly as
+megatron-core's layers do, and tests/test_megatron_fixtures.py checks that split against
+megatron-core's own TP=2 shards).
+
+    .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron_legacy.py
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fixtures_torch import copy_ckpt
+from test_deepspeed import _json, _one_line, _same, _tensor
+
+torch = pytest.importorskip("torch")
+
+LEGACY = ("legacy-tp2pp2", "legacy-tp4")
+
+
+@pytest.fixture(params=LEGACY)
+def run(request, megatron_ckpts):
+    return megatron_ckpts.legacy(request.param)
+
+
+def _folder(run):
+    return run.run / ("release" if run.entry.get("release") else "iter_0000020")
+
+
+def test_merged_model_equals_the_full_tensors(run):
+    from ckptctl.formats import open_checkpoint
+
+    ck = open_checkpoint(str(_folder(run)))
+    full = run.load_full()["model"]
+    assert ck.format == "megatron-legacy" and ck.step == 20
+    tensors = {k[len("model."):] for k, t in ck.tensors.items() if k.startswith("model.")}
+    assert tensors == {k for k, v in full.items() if isinstance(v, torch.Tensor)}
+    bad = [k for k in tensors if not _same(_tensor(ck, f"model.{k}"), full[k])]
+    assert bad == []
+    # the rank files of every TP x PP rank are the checkpoint's
+    assert ck.info["megatron"] == {"layout": "legacy", "tp": run.tp, "pp": run.pp}
+
+
+def test_inspect_says_the_layout_step_and_what_is_kept_per_rank(run, cli):
+    r = _json(cli, "inspect", str(_folder(run)))
+    assert r["origin"] == f"Megatron legacy, TP {run.tp} x PP {run.pp}"
+    assert (r["step"], r["step_source"]) == (20, "entry")
+    assert any("padded vocabulary" in n for n in r["notes"])
+    if run.entry.get("optimizer"):
+        assert r["closure"]["optim"] and r["closure"]["rng"]
+        assert any("optimizer state stays per rank" in n for n in r["notes"])
+
+
+def test_consolidate_only_model_to_safetensors_equals_the_full_tensors(run, cli, tmp_path):
+    from safetensors.torch import load_file
+
+    out = tmp_path / "hf"
+    code, so, err = cli("consolidate", str(_folder(run)), str(out), "--only", "model",
+                        "--to", "safetensors", "--strip-prefix", "model.")
+    assert code == 0, so + err
+    got = load_file(str(out / "model.safetensors"))
+    full = run.load_full()["model"]
+    assert sorted(got) == sorted(k for k, v in full.items() if isinstance(v, torch.Tensor))
+    assert [k for k in got if not _same(got[k], full[k])] == []
+
+
+def test_ls_of_the_run_lists_each_iteration_and_the_tracker(megatron_ckpts, cli):
+    run = megatron_ckpts.legacy("legacy-tp2pp2").run
+    r = _json(cli, "ls", str(run))
+    assert [(c["name"], c["step"], c["format"], c["state"]) for c in r["checkpoints"]] == \
+        [("iter_0000010", 10, "megatron-legacy", "complete"),
+         ("iter_0000020", 20, "megatron-legacy", "complete")]
+    assert r["pointers"][0]["names"] == "iter_0000020"
+
+
+# ------------------------------------------------------------------ refused, found
+
+
+def _edit_rank(tag, rel, edit):
+    f = tag / rel
+    sd = torch.load(f, weights_only=False)
+    edit(sd)
+    torch.save(sd, f)
+
+
+def test_a_replicated_copy_that_differs_is_found(megatron_ckpts, cli, tmp_path):
+    it = copy_ckpt(megatron_ckpts.legacy("legacy-tp4").run / "release", tmp_path / "release")
+
+    def bump(sd):
+        sd["model"]["decoder.final_layernorm.weight"][0] += 1
+    _edit_rank(it, "mp_rank_02/model_optim_rng.pt", bump)
+    code, out, err = cli("inspect", str(it))
+    assert (code, out) == (3, ""), err
+    _one_line(err, "decoder.final_layernorm.weight: replicated, but TP rank 2's copy differs")
+
+
+def test_a_parameter_no_rule_names_is_refused_by_name(megatron_ckpts, cli, tmp_path):
+    it = copy_ckpt(megatron_ckpts.legacy("legacy-tp4").run / "release", tmp_path / "release")
+    for t in range(4):
+        def add(sd):
+            sd["model"]["decoder.layers.0.mlp.router.weight"] = torch.zeros(4, 16)
+        _edit_rank(it, f"mp_rank_{t:02d}/model_optim_rng.pt", add)
+    code, out, err = cli("inspect", str(it), "--json")
+    e = json.loads(out)["error"]
+    assert (code, e["code"]) == (3, "UNSUPPORTED_FORMAT"), e
+    assert "decoder.layers.0.mlp.router.weight: no rule says how Megatron splits it" in e["message"]
+
+
+def test_a_missing_rank_and_a_lone_rank_file_are_one_line(megatron_ckpts, cli, tmp_path):
+    it = copy_ckpt(megatron_ckpts.legacy("legacy-tp2pp2").run / "iter_0000020",
+                   tmp_path / "iter_0000020")
+    code, out, err = cli("inspect", str(it / "mp_rank_00_000" / "model_optim_rng.pt"))
+    assert code == 3
+    _one_line(err, "one rank's file; open the iteration folder")
+    import shutil
+
+    shutil.rmtree(it / "mp_rank_01_001")
+    code, out, err = cli("inspect", str(it))
+    assert code == 3
+    _one_line(err, "rank files missing: mp_rank_01_001")
+
+
+def test_rng_state_with_numpy_is_kept_opaque_and_a_conversion_refuses_it(megatron_ckpts, cli,
+                                                                        tmp_path):
+    it = megatron_ckpts.legacy("legacy-tp2pp2").run / "iter_0000020"
+    code, so, err = cli("consolidate", str(it), str(tmp_path / "out"), "--to", "torch")
+    assert code == 2 and "opaque" in err and "rng_state.mp_rank_00_000" in err, err
+    assert not (tmp_path / "out").exists()
