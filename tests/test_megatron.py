@@ -103,13 +103,16 @@ def test_reshard_into_dcp_loads_with_dcp_load(run, cli, tmp_path):
     import torch.distributed.checkpoint as dcp
 
     out = tmp_path / "dcp"
-    # Megatron's RNG state pickles numpy arrays, which the safe loader refuses to carry;
-    # at another layout Megatron itself cannot load it (one per TP x PP rank) and skips it
-    code, so, err = cli("reshard", str(run.iter_dir(20)), str(tmp_path / "no"), "--world-size", "3")
-    assert code == 1 and "rng_state/shard_0.0_" in err and "--drop" in err, err
-    code, so, err = cli("reshard", str(run.iter_dir(20)), str(out), "--world-size", "3",
-                        "--drop", "rng_state/*")
+    # every entry is carried: the RNG states (their numpy arrays are data) byte for byte
+    code, so, err = cli("reshard", str(run.iter_dir(20)), str(out), "--world-size", "3")
     assert code == 0, so + err
+    from ckptctl.formats import open_checkpoint
+    from ckptctl.ops.copier import object_payload
+
+    a, b = open_checkpoint(str(run.iter_dir(20))), open_checkpoint(str(out))
+    rng = sorted(k for k in a.objects if k.startswith("rng_state/"))
+    assert rng and rng == sorted(k for k in b.objects if k.startswith("rng_state/"))
+    assert all(object_payload(a, k) == object_payload(b, k) for k in rng)
     plain = _plain_tensors(run)
     sd = {k: torch.full_like(v, float("nan")) for k, v in plain.items()}
     with warnings.catch_warnings():
@@ -224,3 +227,43 @@ def test_a_reshard_stays_torch_dist_and_megatron_loads_it_at_another_tp(megatron
     mine, theirs = torch.load(got, weights_only=False), run.load_reload("tp1pp1")
     assert _equal_tree(mine[0], theirs[0]) == []
     assert (mine["iteration"], mine["scheduler"]) == (theirs["iteration"], theirs["scheduler"])
+
+
+def _with_integrity(src: Path, dst: Path) -> Path:
+    """A copy of a torch_dist folder with the integrity.json megatron-core 0.19 writes with
+    save_integrity=True (validation.save_integrity_manifest: the SHA-256 of every file at
+    the folder's top, itself aside; 0.16.1, the fixtures' writer, has no such option)."""
+    import hashlib
+
+    ck = copy_ckpt(src, dst)
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted(ck.iterdir()) if p.is_file()}
+    (ck / "integrity.json").write_text(json.dumps({"algorithm": "sha256", "files": files},
+                                                  indent=2))
+    return ck
+
+
+def test_verify_full_checks_megatrons_integrity_json(megatron_ckpts, cli, tmp_path):
+    ck = _with_integrity(megatron_ckpts.dist("tp2").iter_dir(20), tmp_path / "iter_0000020")
+    r = _json(cli, "verify", str(ck), "--level", "full")
+    assert r["ok"] and r["content"] == "integrity.json", r
+    assert r["files_read"] == 7  # 4 .distcp, .metadata, common.pt, metadata.json
+    # one flipped byte in a data file: found, and named
+    f = ck / "__1_0.distcp"
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 1
+    f.write_bytes(bytes(data))
+    code, out, err = cli("verify", str(ck), "--level", "full", "--json")
+    r = json.loads(out)
+    assert code == 1 and not r["ok"]
+    bad = [p for p in r["problems"] if p["code"] == "HASH_MISMATCH"]
+    assert [Path(p["path"]).name for p in bad] == ["__1_0.distcp"], r["problems"]
+    assert "integrity.json" in bad[0]["message"]
+
+
+def test_an_integrity_json_of_another_kind_is_a_finding(megatron_ckpts, cli, tmp_path):
+    ck = _with_integrity(megatron_ckpts.dist("tp2").iter_dir(20), tmp_path / "iter_0000020")
+    (ck / "integrity.json").write_text(json.dumps({"algorithm": "md5", "files": {}}))
+    code, out, err = cli("verify", str(ck), "--level", "full", "--json")
+    r = json.loads(out)
+    assert code == 1 and [p["code"] for p in r["problems"]] == ["MALFORMED_METADATA"], r

@@ -35,6 +35,9 @@ CONFIG_LIMIT = 64 << 10  # Megatron's is ~100 bytes
 COMMON = "common.pt"
 #: newer Megatron-core keeps the common state in the DCP files, as this bytes entry
 COMMON_ENTRY = "common_state/shard_0_1"
+#: Megatron's own SHA-256 manifest of the folder's files (``save_integrity=True``), written
+#: after metadata.json: ``{"algorithm": "sha256", "files": {name: hex digest}}``
+INTEGRITY = "integrity.json"
 #: the classes a common state pickles beside plain values and tensors
 COMMON_GLOBALS = {("argparse", "Namespace"): record_class("Namespace")}
 

@@ -154,11 +154,46 @@ _WO_EXACT = {
     ("torch.storage", "UntypedStorage"), ("torch.storage", "TypedStorage"),
 }
 _WO_TORCH_MODULES = ("torch", "torch.cuda", "torch.cuda.sparse", "torch.sparse")
+#: numpy arrays and scalars are data: rebuilding one makes an array from a dtype name and
+#: bytes, and runs nothing (an object array's items are in the same pickle, scanned the
+#: same way). torch refuses them by default and offers ``safe_globals`` for exactly these;
+#: ckptctl admits them (:func:`numpy_globals`), since every RNG state Megatron and
+#: DeepSpeed save holds numpy's.
+NUMPY_DATA = {(m, n) for m in ("numpy.core.multiarray", "numpy._core.multiarray")
+              for n in ("_reconstruct", "scalar")} | {("numpy", "ndarray"), ("numpy", "dtype")}
+
+
+def numpy_globals() -> list:
+    """The numpy objects of :data:`NUMPY_DATA` (and numpy 2's dtype classes), for
+    ``torch.serialization.safe_globals`` around a weights-only ``torch.load``.
+
+    >>> import numpy as np; np.ndarray in numpy_globals()
+    True
+    """
+    import importlib
+
+    import numpy as np
+
+    out = [np.ndarray, np.dtype]
+    for mod in ("numpy._core.multiarray", "numpy.core.multiarray"):
+        try:
+            m = importlib.import_module(mod)
+        except ImportError:
+            continue
+        out += [m._reconstruct, m.scalar]
+        break
+    dtypes = getattr(np, "dtypes", None)
+    if dtypes is not None:
+        out += [getattr(dtypes, n) for n in dir(dtypes) if n.endswith("DType")
+                and isinstance(getattr(dtypes, n), type)]
+    return out
 
 
 def _weights_only_allowed(module: str, name: str) -> bool:
-    if (module, name) in _WO_EXACT:
+    if (module, name) in _WO_EXACT or (module, name) in NUMPY_DATA:
         return True
+    if module == "numpy.dtypes":
+        return name.endswith("DType")
     if module == "torch._utils":
         return name.startswith("_rebuild_")
     if module in _WO_TORCH_MODULES:

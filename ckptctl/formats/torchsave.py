@@ -85,6 +85,7 @@ def load_torch_file(store: Store, rel: str):
     import pickle
 
     from .._deps import require_torch
+    from .safe_pickle import numpy_globals
 
     where = store.display(rel)
     torch = require_torch(where)
@@ -98,7 +99,9 @@ def load_torch_file(store: Store, rel: str):
                     out.write(block)
             path = tmp
         try:
-            return torch.load(path, weights_only=True, mmap=_is_zip(path), map_location="cpu")
+            with torch.serialization.safe_globals(numpy_globals()):
+                return torch.load(path, weights_only=True, mmap=_is_zip(path),
+                                  map_location="cpu")
         except pickle.UnpicklingError as e:
             if "Unsupported global" in str(e) or "not an allowed global" in str(e) or "GLOBAL" in str(e):
                 raise UnsafeInputError(where, "refused: the pickle needs globals that "

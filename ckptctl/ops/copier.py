@@ -504,8 +504,11 @@ def decode_object(ck: Checkpoint, name: str):
 
     import torch
 
+    from ..formats.safe_pickle import numpy_globals
+
     try:
-        return torch.load(io.BytesIO(object_payload(ck, name)), weights_only=True)
+        with torch.serialization.safe_globals(numpy_globals()):
+            return torch.load(io.BytesIO(object_payload(ck, name)), weights_only=True)
     except (pickle.UnpicklingError, RuntimeError) as e:
         from ..errors import UnsafeInputError
 

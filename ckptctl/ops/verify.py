@@ -27,11 +27,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .._deps import MissingDependencyError
-from ..errors import (CkptError, ProblemCode, StorageError, UnsupportedFormatError,
+from ..errors import (CkptError, FormatError, ProblemCode, StorageError, UnsupportedFormatError,
                       UsageError)
 from ..formats import dcp
 from ..formats.detect import locate, open_checkpoint, resolve_step
 from ..formats.locate import refuse_save_folder
+from ..formats.megatron import INTEGRITY
 from ..formats.manifest import (MANIFEST, WRITING_MARKER, is_control_file, is_temp_name,
                                 read_manifest, writer_unfinished)
 from ..model import Checkpoint, TensorEntry
@@ -76,8 +77,9 @@ class VerifyResult:
     seconds: float = 0.0
     hash: str | None = None
     non_finite: dict[str, dict] = field(default_factory=dict)
-    #: what the full level proved about the bytes: "hashes" (manifest), "crc" (every zip
-    #: record's CRC-32), "decoded-only" (no checksum in the format), or "crc+decoded-only"
+    #: what the full level proved about the bytes: "hashes" (manifest), "integrity.json"
+    #: (Megatron's SHA-256 manifest), "crc" (every zip record's CRC-32), "decoded-only" (no
+    #: checksum in the format), or "crc+decoded-only"
     content: str | None = None
     files_read: int = 0
 
@@ -458,6 +460,30 @@ class _Checker:
         return sorted(rel for rel in used if rel in self.files
                       and self.store.display(rel) not in bad)
 
+    def _integrity(self) -> dict[str, str] | None:
+        """Megatron's ``integrity.json`` of a ``torch_dist`` checkpoint (``{"algorithm":
+        "sha256", "files": {name: hex digest}}``) as name -> digest, or None when there is
+        none; a file that says anything else is a finding."""
+        from ..formats.limits import load_json
+
+        if not self.ck.info.get("megatron") or INTEGRITY not in self.files:
+            return None
+        where = self.store.display(INTEGRITY)
+        try:
+            if self.files[INTEGRITY] > 64 << 20:
+                raise FormatError(where, f"{self.files[INTEGRITY]} bytes: no integrity manifest")
+            doc = load_json(self.store.read(INTEGRITY), where)
+            listed = doc.get("files") if isinstance(doc, dict) else None
+            if not isinstance(listed, dict) or doc.get("algorithm", "sha256") != "sha256" or \
+                    not all(isinstance(k, str) and "/" not in k and isinstance(v, str)
+                            for k, v in listed.items()):
+                raise FormatError(where, "not Megatron's integrity manifest ({'algorithm': "
+                                  "'sha256', 'files': {name: digest}})")
+        except FormatError as e:
+            self.add("MALFORMED_METADATA", e.message, path=where)
+            return None
+        return {k: v.lower() for k, v in listed.items()}
+
     def full(self):
         """Read every data file once: content hash (sealed) or the CRC-32 of every zip record
         (unsealed DCP and torch.save), NaN/Inf counts on the same bytes; what a format
@@ -470,7 +496,11 @@ class _Checker:
         sealed = self.manifest is not None
         algo = normalize_algo(self.manifest.hash) if sealed else None
         self.result.hash = algo
-        files = self._sampled(self._data_files())
+        # Megatron's own SHA-256 manifest: checked when there is no ckptctl one
+        integrity = None if sealed else self._integrity()
+        files = self._data_files() if integrity is None else \
+            sorted(set(self._data_files()) | {rel for rel in integrity if rel in self.files})
+        files = self._sampled(files)
         if self.group is not None and self.group.active:  # file i: process i % world size
             files = self.group.mine(files)
         chosen = set(files)
@@ -549,7 +579,8 @@ class _Checker:
                           + sum(e.dtype.nbytes(c.numel) for kind, e, c in side if kind == "zstd"))
 
         def scan(rel):
-            hasher = new_hasher(algo) if sealed else None
+            hasher = new_hasher(algo) if sealed else \
+                new_hasher("sha256") if integrity and rel in integrity else None
             todo = regions[rel]
             if not sealed and not todo and rel in torch_files:
                 return rel, None, []  # a legacy torch.save file: decoded by torch.load
@@ -579,6 +610,9 @@ class _Checker:
             if sealed and digest != self.manifest.files[rel].hash:
                 self.add("HASH_MISMATCH", f"content hash differs from the manifest ({algo})",
                          path=store.display(rel))
+            if integrity and rel in integrity and digest != integrity[rel]:
+                self.add("HASH_MISMATCH", "SHA-256 differs from the one Megatron's "
+                         "integrity.json records", path=store.display(rel))
             for r, name in todo:
                 if isinstance(r, ZipCrc) and r.bad:
                     self.add("CRC_MISMATCH", f"CRC-32 of zip record {r.bad[0]} differs from the "
@@ -604,6 +638,15 @@ class _Checker:
         self._share = {"files": files, "crc_files": crc_files, "tensors": tensors_seen}
         if sealed:
             self.result.content = "hashes"
+        elif integrity is not None:
+            self.result.content = "integrity.json"
+            for rel in sorted(set(integrity) - set(self.files)):
+                self.add("MISSING_FILE", "listed in Megatron's integrity.json but missing",
+                         path=store.display(rel))
+            unlisted = [rel for rel in self._data_files() if rel not in integrity]
+            if unlisted:
+                self.add("MANIFEST_MISMATCH", "not listed in Megatron's integrity.json",
+                         path=store.display(unlisted[0]))
         else:
             plain = [rel for rel in files if rel not in crc_files]
             self.result.content = ("crc" if not plain else "decoded-only" if not crc_files
