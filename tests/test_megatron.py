@@ -267,3 +267,26 @@ def test_an_integrity_json_of_another_kind_is_a_finding(megatron_ckpts, cli, tmp
     code, out, err = cli("verify", str(ck), "--level", "full", "--json")
     r = json.loads(out)
     assert code == 1 and [p["code"] for p in r["problems"]] == ["MALFORMED_METADATA"], r
+
+
+def test_unstack_layers_writes_one_entry_per_layer(run, cli, tmp_path):
+    """--unstack-layers: decoder.layers.X of shape (num_layers, ...) becomes
+    decoder.layers.<i>.X, each equal to row i of Megatron's stacked tensor."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "hf"
+    code, so, err = cli("consolidate", str(run.iter_dir(20)), str(out), "--only", "model",
+                        "--unstack-layers")
+    assert code == 0, so + err
+    got = load_file(str(out / "model.safetensors"))
+    want = {}
+    for k, v in _plain_tensors(run).items():
+        if k.startswith("optimizer."):
+            continue
+        if k.startswith("decoder.layers."):
+            want.update({k.replace("decoder.layers.", f"decoder.layers.{i}.", 1): v[i]
+                         for i in range(v.shape[0])})
+        else:
+            want[k] = v
+    assert sorted(got) == sorted(want)
+    assert [k for k in got if not _same(got[k], want[k].contiguous())] == []

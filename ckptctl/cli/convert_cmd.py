@@ -139,6 +139,10 @@ def consolidate(
                                         help="Cast floating tensors: bf16, fp16, fp32."),
     strip_prefix: Optional[str] = typer.Option(None, "--strip-prefix", metavar="PREFIX",
                                                help="Drop this prefix from names (model.)."),
+    unstack_layers: bool = typer.Option(
+        False, "--unstack-layers",
+        help="Write each layer of a stacked entry (Megatron's decoder.layers.X of shape "
+             "(num_layers, ...)) as decoder.layers.<i>.X."),
     include: Optional[List[str]] = typer.Option(
         None, "--include", metavar="GLOB",
         help="--to safetensors: also carry the source folder's top-level files matching "
@@ -194,7 +198,7 @@ def consolidate(
                            storage_options=src_place.storage_options,
                            dst_storage_options=dst_place.storage_options,
                            on_bytes=cb, on_total=cb and cb.total, include=include,
-                           group=group, drop=drop)
+                           group=group, drop=drop, unstack_layers=unstack_layers)
     if json:
         emit_json(group.tag(r.to_dict()))
         return

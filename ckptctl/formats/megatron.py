@@ -22,8 +22,10 @@ True
 """
 from __future__ import annotations
 
+import math
+
 from ..errors import FormatError
-from ..model import Checkpoint
+from ..model import Checkpoint, Chunk, Extent, TensorEntry
 from ..storage import Store
 from .dcp import read_dcp
 from .limits import load_json
@@ -132,3 +134,42 @@ def torch_dist_files(ck: Checkpoint, kept: set[str]) -> tuple[set[str], list[tup
         after.append((COMMON, ck.store.read(COMMON)))
     after.append((CONFIG, ck.store.read(CONFIG)))
     return common, after
+
+
+def unstack(ck: Checkpoint, names: list[str]) -> list[str]:
+    """Replace each stacked entry among ``names`` (``decoder.layers.X`` whose first dim is
+    the layer count: :func:`unstack_name`) by one entry per layer
+    (``decoder.layers.<i>.X``), each chunk cut into its layers' rows, which are ranged
+    reads of the same bytes; returns ``names`` with the per-layer names in their place.
+    A chunk whose bytes are not row-major in its file (compressed, strided) is refused.
+
+    >>> unstack(Checkpoint("x", "dcp"), [])
+    []
+    """
+    from .tensorio import row_major_span
+
+    out: list[str] = []
+    for name in names:
+        t = ck.tensors.get(name)
+        if t is None or not t.shape or unstack_name(name, 0) is None:
+            out.append(name)
+            continue
+        layers = {i: TensorEntry(unstack_name(name, i), t.dtype, t.shape[1:], [])
+                  for i in range(t.shape[0])}
+        for c in t.chunks:
+            span = row_major_span(ck, t, c)
+            if span is None:
+                raise FormatError(ck.store.display(c.extent.file), f"{name}: a chunk stored "
+                                  "compressed or strided cannot be cut into layers")
+            row = t.dtype.nbytes(math.prod(c.sizes[1:]))
+            for j in range(c.sizes[0]):
+                layers[c.offsets[0] + j].chunks.append(Chunk(
+                    c.offsets[1:], c.sizes[1:],
+                    Extent(c.extent.file, span[0] + j * row, row, "raw")))
+        del ck.tensors[name]
+        for e in layers.values():
+            if e.name in ck.tensors or e.name in ck.objects:
+                raise FormatError(ck.root, f"{e.name}: both stacked ({name}) and stored apart")
+            ck.tensors[e.name] = e
+            out.append(e.name)
+    return out

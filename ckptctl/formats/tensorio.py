@@ -349,6 +349,16 @@ def _decoded(ck: Checkpoint, t: TensorEntry, c: Chunk) -> memoryview:
         return slot[1]
 
 
+def row_major_span(ck: Checkpoint, t: TensorEntry, c: Chunk) -> tuple[int, int] | None:
+    """(absolute offset, length) of a chunk's row-major bytes in its file, or None when
+    they are not one straight run there (strided, compressed).
+
+    >>> row_major_span(ck, t, t.chunks[0])       # doctest: +SKIP
+    (1088, 4096)
+    """
+    return _row_span(ck, t, c)
+
+
 def _row_span(ck: Checkpoint, t: TensorEntry, c: Chunk) -> tuple[int, int] | None:
     """(absolute offset, length) of a chunk's row-major bytes in its file, when they can
     be sliced there (raw, or an uncompressed zip holding a row-major tensor)."""

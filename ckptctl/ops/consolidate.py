@@ -152,10 +152,12 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                 on_bytes: Callable[[int], None] | None = None,
                 on_total: Callable[[int], None] | None = None,
                 include: list[str] | None = None, group=None,
-                drop: list[str] | None = None) -> ConsolidateResult:
+                drop: list[str] | None = None, unstack_layers: bool = False) -> ConsolidateResult:
     """Write every selected entry of ``src`` whole, into ``dst`` in format ``to``.
 
-    ``only`` selects state parts; ``drop`` globs leave entries out. An object entry the
+    ``only`` selects state parts; ``drop`` globs leave entries out; ``unstack_layers``
+    writes each layer of a stacked entry (Megatron's ``decoder.layers.X`` of shape
+    ``(num_layers, ...)``) as its own ``decoder.layers.<i>.X``. An object entry the
     safe loader refuses (the check seal makes) is refused before a byte is written
     (:class:`~ckptctl.errors.Finding`, exit 1) unless dropped.
 
@@ -184,6 +186,10 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
         left_out = set(gone)
         tensors = [n for n in tensors if n not in left_out]
         objects = [n for n in objects if n not in left_out]
+    if unstack_layers:
+        from ..formats.megatron import unstack
+
+        tensors = unstack(ck, tensors)
     if not tensors and not objects:
         given = ([f"--only {only}"] if only else []) + [f"--drop {g}" for g in drop or ()]
         raise UsageError(f"nothing selected in {src} ({' '.join(given)})")
