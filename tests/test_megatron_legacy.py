@@ -8,6 +8,7 @@ megatron-core's own TP=2 shards).
 """
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -128,3 +129,57 @@ def test_rng_state_with_numpy_is_kept_opaque_and_a_conversion_refuses_it(megatro
     code, so, err = cli("consolidate", str(it), str(tmp_path / "out"), "--to", "torch")
     assert code == 2 and "opaque" in err and "rng_state.mp_rank_00_000" in err, err
     assert not (tmp_path / "out").exists()
+
+
+def _generator():
+    import importlib.util
+
+    from fixtures_megatron import LEGACY_WRITER
+
+    spec = importlib.util.spec_from_file_location("write_megatron_legacy", LEGACY_WRITER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("mesh,tp,pp", [("tp=4", 4, 1), ("tp=1,pp=4", 1, 4)])
+def test_reshard_to_another_tp_pp_equals_a_direct_split(megatron_ckpts, cli, tmp_path, mesh,
+                                                        tp, pp):
+    """TP=2 x PP=2 merged and split again at TP=4 (and PP=4): each rank file's model holds
+    exactly what the fixture's generator (megatron-core's split rules) cuts from the full
+    tensors, byte for byte, and the result merges back to them."""
+    gen = _generator()
+    run = megatron_ckpts.legacy("legacy-tp2pp2")
+    full = run.load_full()["model"]
+    out = tmp_path / "run" / "iter_0000020"
+    code, so, err = cli("reshard", str(run.run / "iter_0000020"), str(out), "--to",
+                        "megatron-legacy", "--mesh", mesh, "--drop", "optimizer.*",
+                        "--drop", "rng_state.*")
+    assert code == 0, so + err
+    assert (tmp_path / "run" / "latest_checkpointed_iteration.txt").read_text() == "20"
+    names = [k for k, v in full.items() if isinstance(v, torch.Tensor)]
+    for p in range(pp):
+        local = gen.stage_names(names, 4, pp, p)
+        for t in range(tp):
+            rel = f"mp_rank_{t:02d}" + (f"_{p:03d}" if pp > 1 else "") + "/model_optim_rng.pt"
+            sd = torch.load(out / rel, weights_only=False)
+            assert (sd["iteration"], sd["args"].tensor_model_parallel_size,
+                    sd["args"].pipeline_model_parallel_size) == (20, tp, pp)
+            got = {k: v for k, v in sd["model"].items() if isinstance(v, torch.Tensor)}
+            assert sorted(got) == sorted(local), rel
+            bad = [k for k in got if not _same(got[k], gen.split(local[k], full[local[k]], tp, t))]
+            assert bad == [], rel
+            extra = [k for k in sd["model"] if k.endswith("_extra_state")]
+            assert extra and all(isinstance(sd["model"][k], io.BytesIO) for k in extra)
+    from ckptctl.formats import open_checkpoint
+
+    ck = open_checkpoint(str(out))
+    assert all(_same(_tensor(ck, f"model.{k}"), full[k]) for k in names)
+
+
+def test_reshard_to_legacy_refuses_per_rank_optimizer_state(megatron_ckpts, cli, tmp_path):
+    run = megatron_ckpts.legacy("legacy-tp2pp2")
+    code, so, err = cli("reshard", str(run.run / "iter_0000020"), str(tmp_path / "out"),
+                        "--to", "megatron-legacy", "--mesh", "tp=4")
+    assert code == 2 and not (tmp_path / "out").exists()
+    _one_line(err, "cannot be split again", "--drop 'optimizer.*'")

@@ -7,6 +7,7 @@ import typer
 
 from .common import (DstOpt, ForceOpt, JsonOpt, QuietOpt, SrcOpt, StorageOpt, check_size,
                      emit_json, human_bytes, plural, print_table, resolve_place, say)
+from ..errors import UsageError
 from .app import app
 from .progress import byte_progress
 
@@ -35,6 +36,9 @@ def reshard(
                                              "names the rules used)."),
     world_size: Optional[int] = typer.Option(None, "--world-size", metavar="N",
                                              help="Shorthand for --mesh dp=N --rules fsdp."),
+    to: str = typer.Option("dcp", "--to", metavar="LAYOUT",
+                           help="dcp, or megatron-legacy (mp_rank_TT[_PPP]/model_optim_rng.pt "
+                                "for --mesh tp=T[,pp=P], by Megatron's GPT rules)."),
     max_memory: str = MaxMemOpt,
     workers: int = WorkersOpt,
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the plan, write nothing."),
@@ -66,6 +70,11 @@ def reshard(
 
     src_place = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
     dst_place = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")
+    if to == "megatron-legacy":
+        _reshard_legacy(src_place, dst_place, mesh, drop, force, json, quiet)
+        return
+    if to != "dcp":
+        raise UsageError("--to must be dcp or megatron-legacy")
     group = Group() if dry_run else Group.from_env()
     with byte_progress("reshard", enabled=not (json or quiet or dry_run)) as cb:
         r = do_reshard(src_place.url, dst_place.url, mesh=mesh, rules=rules,
@@ -99,6 +108,28 @@ def reshard(
         return
     say(f"{r.dst}: {plural(r.world_size, 'rank')} ({r.mesh}), {plural(r.num_chunks, 'chunk')}, "
         f"{human_bytes(r.bytes)} in {plural(r.num_files, 'file')} ({r.seconds:.2f}s)", quiet=quiet)
+    say(f"id {r.manifest_id}", quiet=quiet)
+
+
+def _reshard_legacy(src_place, dst_place, mesh, drop, force, json, quiet) -> None:
+    """reshard --to megatron-legacy: --mesh names tp (and pp) only."""
+    from ..layout import parse_mesh
+    from ..ops.megatron_legacy import reshard_legacy
+
+    m = parse_mesh(mesh or "")
+    dims = dict(zip(m.names, m.sizes))
+    if not dims or set(dims) - {"tp", "pp"}:
+        raise UsageError("--to megatron-legacy takes --mesh tp=T[,pp=P]")
+    r = reshard_legacy(src_place.url, dst_place.url, tp=dims.get("tp", 1), pp=dims.get("pp", 1),
+                       drop=drop, storage_options=src_place.storage_options,
+                       dst_storage_options=dst_place.storage_options, force=force)
+    if json:
+        emit_json(r.to_dict())
+        return
+    _say_dropped(r.dropped, quiet)
+    say(f"{r.dst}: Megatron legacy, TP {r.tp} x PP {r.pp}, {plural(len(r.files), 'rank file')}"
+        + (f"; {r.tracker!r} written to latest_checkpointed_iteration.txt" if r.tracker else ""),
+        quiet=quiet)
     say(f"id {r.manifest_id}", quiet=quiet)
 
 

@@ -97,6 +97,17 @@ def rank_of(rel: str) -> tuple[int, int] | None:
     return (int(m.group(1)), int(m.group(2) or 0)) if m else None
 
 
+def rank_file(tp: int, pp: int, stages: int) -> str:
+    """The rank file of TP rank ``tp`` and stage ``pp`` of ``stages`` (Megatron's
+    ``get_checkpoint_name``: no stage part without pipeline parallelism).
+
+    >>> rank_file(1, 0, 1), rank_file(1, 1, 2)
+    ('mp_rank_01/model_optim_rng.pt', 'mp_rank_01_001/model_optim_rng.pt')
+    """
+    return f"mp_rank_{tp:02d}/model_optim_rng.pt" if stages == 1 else \
+        f"mp_rank_{tp:02d}_{pp:03d}/model_optim_rng.pt"
+
+
 def is_legacy(files: dict[str, int]) -> bool:
     """An iteration folder of rank files (and nothing but ckptctl's own beside them)."""
     return any(RANK_FILE.match(f) for f in files)
