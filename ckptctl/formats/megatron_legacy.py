@@ -239,7 +239,13 @@ def _objects(b: EntryBuilder, prefix: str, value, tf) -> None:
     b.objects(prefix, _value(value), tf)
 
 
-def _rule(name: str, swiglu: bool) -> str | None:
+def rule_of(name: str, swiglu: bool) -> str | None:
+    """How Megatron splits parameter ``name`` over TP ranks (:data:`GPT_RULES`; ``fc1`` is
+    ``swiglu`` in a gated MLP), or None when no rule names it.
+
+    >>> rule_of("decoder.layers.0.mlp.linear_fc1.weight", True), rule_of("x.w", False)
+    ('swiglu', None)
+    """
     for pat, kind in GPT_RULES:
         if pat.search(name):
             return ("swiglu" if swiglu else "column") if kind == "fc1" else kind
@@ -250,7 +256,7 @@ def _merge(b: EntryBuilder, entry: str, name: str, got: list, tp: int, swiglu: b
     """One logical entry from the TP ranks' pieces of one (global) parameter."""
     got.sort(key=lambda x: x[0])
     tf0 = got[0][3]
-    kind = _rule(name, swiglu)
+    kind = rule_of(name, swiglu)
     if kind == "extra" or not isinstance(got[0][2], StoredTensor):
         if kind not in ("extra", None) and got[0][2] is not None:
             raise FormatError(tf0.where, f"model.{name}: {type(got[0][2]).__name__}, not a tensor")

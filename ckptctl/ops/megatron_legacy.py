@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from ..errors import UsageError
 from ..formats.detect import open_checkpoint
-from ..formats.megatron_legacy import GPT_RULES, rank_file
+from ..formats.megatron_legacy import rank_file, rule_of
 from ..storage import open_store
 from .commit import commit_written
 from .copier import nest
@@ -52,10 +52,10 @@ class LegacyResult:
 
 
 def _kind(name: str, swiglu: bool) -> str:
-    for pat, kind in GPT_RULES:
-        if pat.search(name):
-            return ("swiglu" if swiglu else "column") if kind == "fc1" else kind
-    raise UsageError(f"{name}: no rule says how Megatron splits it")
+    kind = rule_of(name, swiglu)
+    if kind is None:
+        raise UsageError(f"{name}: no rule says how Megatron splits it")
+    return kind
 
 
 def _shard(full, kind: str, tp: int, t: int, name: str):
