@@ -83,7 +83,7 @@ def pointer_target(file: str, text: str) -> str | None:
     Megatron's tracker: ``iter_%07d`` of the iteration, or ``release``), or None for a
     text that names no folder.
 
-    >>> pointer_target(MEGATRON_TRACKER, "20\n"), pointer_target(LATEST, "global_step5")
+    >>> pointer_target(MEGATRON_TRACKER, "20 "), pointer_target(LATEST, "global_step5")
     ('iter_0000020', 'global_step5')
     >>> pointer_target(MEGATRON_TRACKER, "../x") is None
     True
