@@ -463,6 +463,9 @@ class Watcher:
         p.failed.append(f)
         self._event("failed", what=what, tier=tier, name=name, code=code, message=message,
                     attempts=attempts, next_retry=iso_time(f.next_retry))
+        # kept at once, not at the pass's end: a watcher killed before then would forget
+        # the failure (its backoff, and the "recovered" its next success reports)
+        self.save()
         return f
 
     def _ok(self, key: str) -> None:
