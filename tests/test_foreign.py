@@ -190,7 +190,6 @@ REFUSED = [
     ("uni/global_step10_universal/zero/lin.weight/fp32.pt", "DeepSpeed universal checkpoint"),
     ("pipe/global_step5", "DeepSpeed pipeline (per-layer model states)"),
     ("moe/global_step5", "DeepSpeed MoE (expert model states)"),
-    ("meg", "Megatron-core torch_dist, a save folder of 1 checkpoint (iter_0000010)"),
     ("legacy/iter_0000010/mp_rank_00_000/model_optim_rng.pt", "Megatron legacy"),
     ("orbax/10", "Orbax (OCDBT)"),
     ("orbax/10/default", "Orbax (OCDBT)"),

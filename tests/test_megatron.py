@@ -146,6 +146,22 @@ def test_ls_latest_and_gc_of_a_run_root_honour_the_tracker(megatron_ckpts, cli, 
                    "which is not here")
 
 
+def test_reading_verbs_open_the_iteration_the_tracker_names(megatron_ckpts, cli, tmp_path):
+    run = copy_ckpt(megatron_ckpts.dist("tp2").run, tmp_path / "run")
+    (run / "latest_checkpointed_iteration.txt").write_text("10")
+    r = _json(cli, "inspect", str(run))
+    assert (r["url"], r["step"]) == (str(run / "iter_0000010"), 10)
+    # verbs that take one checkpoint whole name the iteration instead (exit 2)
+    code, out, err = cli("verify", str(run))
+    assert code == 2
+    _one_line(err, "a Megatron run root", f"`ckptctl verify {run / 'iter_0000010'}`")
+    # a tracker naming a folder that is gone: one line, not a guess at another iteration
+    (run / "latest_checkpointed_iteration.txt").write_text("30")
+    code, out, err = cli("inspect", str(run))
+    assert (code, out) == (3, "")
+    _one_line(err, "names iter_0000030, which this folder does not hold")
+
+
 # ------------------------------------------------------------------ broken, hostile
 
 
@@ -200,6 +216,7 @@ def _equal_tree(a, b, path="") -> list[str]:
     return [] if a == b else [path]
 
 
+@pytest.mark.slow  # a torchrun launch of megatron-core (about 20 s)
 def test_a_reshard_stays_torch_dist_and_megatron_loads_it_at_another_tp(megatron_ckpts, cli,
                                                                          tmp_path):
     """reshard of a torch_dist checkpoint writes DCP plus Megatron's common.pt and, last,

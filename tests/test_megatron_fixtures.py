@@ -5,8 +5,6 @@ save time, ``dist_checkpointing.load`` at another TP/PP grid), and the legacy ge
 split rules are megatron-core's own (checked against megatron's TP=2 shards)."""
 
 import importlib.util
-import subprocess
-import sys
 
 import pytest
 
@@ -255,21 +253,3 @@ def test_legacy_shards_join_to_the_full_tensors(megatron_ckpts, name):
     for g, t in full.items():
         assert torch.equal(joined[g], t), g
     assert full["embedding.word_embeddings.weight"].shape[0] == run.entry["padded_vocab_size"]
-
-
-# -- what ckptctl says today (recorded, not asserted: the Megatron reader does not exist yet)
-
-
-def test_record_what_ckptctl_inspect_says_today(megatron_ckpts, capsys):
-    targets = [megatron_ckpts.dist("tp2").iter_dir(20), megatron_ckpts.dist("tp2").run,
-               megatron_ckpts.legacy("legacy-tp2pp2").files[0],
-               megatron_ckpts.legacy("legacy-tp2pp2").run]
-    for path in targets:
-        try:
-            p = subprocess.run([sys.executable, "-m", "ckptctl", "inspect", str(path)],
-                               capture_output=True, text=True, timeout=120)
-            said = f"rc={p.returncode}\n{p.stdout[-2000:]}{p.stderr[-2000:]}"
-        except subprocess.TimeoutExpired:
-            said = "timeout after 120s"
-        with capsys.disabled():
-            print(f"\n$ ckptctl inspect {path}\n{said}")

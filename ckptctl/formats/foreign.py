@@ -229,6 +229,15 @@ def refuse_if_foreign(url: str, files: dict[str, int], store=None,
         top = {f for f in files if "/" not in f}
         if read != "deepspeed-save" or top <= _DS_SAVE_SIDE:
             return read  # a save folder with other checkpoint files at its top stays refused
+    if name.startswith("Megatron") and ", a save folder of " in name and store is not None:
+        from .locate import pointers  # a run root whose tracker names no folder it holds
+
+        for p in pointers(store, files):
+            if p["file"] == _MEG_TRACKER and not p["present"]:
+                what = f"names {p['names']}, which this folder does not hold" if p["names"] \
+                    else "names no iteration"
+                raise FormatError(store.display(_MEG_TRACKER), f"{what} (Megatron's resume "
+                                  "would fail): name an iteration folder")
     if name.startswith("Megatron legacy") and single:
         raise not_read(url, f"{name}: one rank's file; open the iteration folder that holds "
                        "them all")

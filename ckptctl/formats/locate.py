@@ -127,11 +127,19 @@ def pointers(store: Store, files: dict[str, int], folders=("",)) -> list[dict]:
     return out
 
 
+#: What may sit at a Megatron run root's top beside its iteration folders.
+MEGATRON_RUN_SIDE = {MEGATRON_TRACKER, "ckptctl.manifest.json", ".ckptctl-pinned"}
+
+
 def deepspeed_tag(store: Store, files: dict[str, int]) -> str | None:
     """The tag a folder stands for when it is a DeepSpeed save folder (its top holds only
-    ``latest`` and DeepSpeed's scripts) whose ``latest`` names a tag it holds; else None
-    (the reader then says what is wrong)."""
+    ``latest`` and DeepSpeed's scripts) whose ``latest`` names a tag it holds, or a
+    Megatron run root (only the tracker at its top) whose tracker names an iteration it
+    holds; else None (the reader then says what is wrong)."""
     top = {f for f in files if "/" not in f}
+    if MEGATRON_TRACKER in top and top <= MEGATRON_RUN_SIDE:
+        p = pointers(store, files)
+        return p[0]["names"] if p and p[0]["present"] else None
     if not top & {LATEST, LATEST_UNIVERSAL} or not top <= DEEPSPEED_SAVE_SIDE:
         return None
     return latest_tag(store, files, strict=False)
@@ -149,6 +157,7 @@ def locate(url: str, storage_options: dict | None = None, *,
     if files and follow_latest and (tag := deepspeed_tag(store, files)):
         found = locate(url.rstrip("/") + "/" + tag, storage_options, follow_latest=False)
         found[0].opened_as = url.rstrip("/") + "/" + tag  # what readers call it
+        found[0].opened_by = MEGATRON_TRACKER if MEGATRON_TRACKER in files else LATEST
         return found
     if files:  # a pack's own files: readers open the checkpoint inside with pack_view
         return store, files, None
@@ -175,5 +184,9 @@ def refuse_save_folder(located: tuple, url: str, verb: str) -> None:
     """
     tag_url = getattr(located[0], "opened_as", None)
     if tag_url and tag_url.rstrip("/") != url.rstrip("/"):
+        if getattr(located[0], "opened_by", None) == MEGATRON_TRACKER:
+            raise UsageError("a Megatron run root (its iterations are checkpoints): name the "
+                             f"iteration, `ckptctl {verb} {tag_url}` (the one "
+                             f"{MEGATRON_TRACKER} names)", url)
         raise UsageError(f"a DeepSpeed save folder (its tags are checkpoints): name the tag, "
                          f"`ckptctl {verb} {tag_url}` (the one its latest names)", url)
