@@ -195,6 +195,18 @@ class UnsupportedFormatError(CkptError):
     default_code: str = ProblemCode.UNSUPPORTED_FORMAT
 
 
+def layout_refused(where: str | None, what: str, framework: str) -> UnsupportedFormatError:
+    """A framework's layout that its reader does not read exactly, refused by name (exit
+    3); ``framework`` tells verify and ls this refusal from "nothing recognised".
+
+    >>> str(layout_refused("run/t", "DeepSpeed MoE", "DeepSpeed"))
+    'run/t: not a layout ckptctl reads: DeepSpeed MoE'
+    """
+    e = UnsupportedFormatError(where, f"not a layout ckptctl reads: {what}")
+    e.framework = framework
+    return e
+
+
 class Finding(CkptError):
     """An op found a problem it was asked to look for (exit 1): seal refusing an
     inconsistent checkpoint, a gc rail."""

@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 
 from ..boxes import intersect
-from ..errors import FormatError, UnsupportedFormatError
+from ..errors import FormatError, UnsupportedFormatError, layout_refused
 from ..model import Checkpoint, Chunk, TensorEntry
 
 #: The affine map format version this reader knows (DeepSpeed's AFFINE_MAP_FORMAT_VERSION).
@@ -49,9 +49,7 @@ class Placement:
 
 
 def _refuse(where: str, what: str) -> UnsupportedFormatError:
-    e = UnsupportedFormatError(where, f"not a layout ckptctl reads: {what}")
-    e.framework = "DeepSpeed"
-    return e
+    return layout_refused(where, what, "DeepSpeed")
 
 
 def _ints(v, where: str, what: str) -> tuple[int, ...]:

@@ -43,7 +43,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..errors import FormatError, UnsupportedFormatError
+from ..errors import FormatError, UnsupportedFormatError, layout_refused
 from ..model import Checkpoint, ObjectEntry, TensorEntry
 from ..storage import Store
 from .safe_pickle import record_class
@@ -129,9 +129,7 @@ def tag_files(files: dict[str, int]) -> TagFiles:
 
 
 def _refuse(where: str, what: str) -> UnsupportedFormatError:
-    e = UnsupportedFormatError(where, f"not a layout ckptctl reads: {what}")
-    e.framework = "DeepSpeed"
-    return e
+    return layout_refused(where, what, "DeepSpeed")
 
 
 def _load(store: Store, rel: str, size: int):

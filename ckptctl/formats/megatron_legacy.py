@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import re
 
-from ..errors import FormatError, UnsupportedFormatError
+from ..errors import FormatError, UnsupportedFormatError, layout_refused
 from ..model import DTYPES, Checkpoint, Chunk, Extent, ObjectEntry, TensorEntry
 from ..storage import Store
 from .safe_pickle import record_class
@@ -114,9 +114,7 @@ def is_legacy(files: dict[str, int]) -> bool:
 
 
 def _refuse(where: str, what: str) -> UnsupportedFormatError:
-    e = UnsupportedFormatError(where, f"not a layout ckptctl reads: Megatron legacy {what}")
-    e.framework = "Megatron legacy"
-    return e
+    return layout_refused(where, f'Megatron legacy {what}', "Megatron legacy")
 
 
 def _has_opaque(v) -> bool:
