@@ -10,9 +10,17 @@ PIP := $(BIN)/pip install -q --disable-pip-version-check
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# megatron-core 0.19.2 (the newest; a Python 3.12 wheel, pure Python where the Megatron
+# fixtures use it) runs beside 0.16.1 from its own folder on PYTHONPATH, with triton, which it
+# imports: tests/fixtures_megatron.py writes the common_state / integrity.json layout with it.
+MEGATRON_NEXT := $(VENV)/megatron-core-0.19.2
+
+$(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(PIP) -e '.[dev]'
+	$(PIP) --no-deps --target $(MEGATRON_NEXT) --upgrade triton==3.6.0
+	$(PIP) --no-deps --target $(MEGATRON_NEXT) --upgrade --only-binary=:all: \
+	    --python-version 3.12 --ignore-requires-python megatron-core==0.19.2
 	$(BIN)/python -c "import ckptctl, torch, s3fs, safetensors, moto, hypothesis, transformers, accelerate, lightning, peft"
 	touch $(STAMP)
 

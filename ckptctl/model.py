@@ -160,12 +160,16 @@ class TensorEntry:
 @dataclass
 class ObjectEntry:
     """An opaque payload. ``extent`` is where its bytes are (None: known only in memory);
-    ``value`` holds a plain Python value when the format gives it without unpickling."""
+    ``value`` holds a plain Python value when the format gives it without unpickling.
+    ``admitted``: globals (``"argparse.Namespace"``) its pickle may name beyond torch's
+    weights-only set, because the format's reader parsed it with them as inert records
+    (:data:`~ckptctl.formats.safe_pickle.ADMITTABLE`)."""
 
     name: str
     extent: Extent | None = None
     value: object = None
     type_name: str | None = None
+    admitted: tuple[str, ...] = ()
 
 
 Entry = TensorEntry | ObjectEntry

@@ -8,8 +8,9 @@ place only model and optimizer entries, ops report state closure with it
 ...  "module16.lin.weight")]
 ['model', 'optim', 'meta', 'rng', 'module16']
 >>> [classify(n) for n in ("decoder.layers.mlp.linear_fc1._extra_state/shard_0_2",
-...  "rng_state/shard_0.0_2.1", "opt_param_scheduler.max_lr", "args.hidden_size")]
-['meta', 'rng', 'lr_scheduler', 'meta']
+...  "rng_state/shard_0.0_2.1", "opt_param_scheduler.max_lr", "args.hidden_size",
+...  "common_state/shard_0_1")]
+['meta', 'rng', 'lr_scheduler', 'meta', 'meta']
 """
 from __future__ import annotations
 
@@ -27,10 +28,13 @@ _RULES = [
                         r"native_amp_scaling_state|amp_scaling_state|trainer_state|client_state|"
                         r"args|checkpoint_version|num_floating_point_operations_so_far|"
                         r"content_metadata)(_\d+)?(\.|$)")),
+    # Megatron-core's common state as one ShardedObject (its entries are read apart too)
+    ("meta", re.compile(r"^common_state/shard_")),
     # a module's _extra_state (Transformer Engine's FP8 metadata; Megatron's ShardedObject
     # ``<key>/shard_<offset>_<shape>``): bytes beside the weights, not a weight
     ("meta", re.compile(r"(^|\.)_extra_state(/|\.|$)")),
-    ("optim", re.compile(r"^(optim|optimizer|optimizers|opt|optimizer_states?)(_\d+)?(\.|$)|"
+    ("optim", re.compile(r"^(optim|optimizer|optimizers|opt|optimizer_states?|distrib_optim)"
+                         r"(_\d+)?(\.|$)|"
                          r"(^|\.)(exp_avg|exp_avg_sq|param_groups|momentum_buffer)(\.|$)")),
     ("lr_scheduler", re.compile(r"^(lr_schedulers?|schedulers?|sched|opt_param_scheduler)"
                                 r"(_\d+)?(\.|$)")),

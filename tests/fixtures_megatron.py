@@ -44,6 +44,7 @@ using the fixture are skipped (one line) when megatron-core is not installed.
 import hashlib
 import importlib.util
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -64,6 +65,17 @@ ITERATIONS = (10, 20)
 RELOADED = 20  # the iteration every RELOADS entry loads
 #: layout -> ((tp, pp) grids its iter_0000020 is loaded back at, world = tp * pp)
 RELOADS = {"tp2": ((1, 1), (1, 2)), "pp2": ((1, 1), (2, 1))}
+#: the newest megatron-core, unpacked beside the venv's 0.16.1 by the Makefile (its wheel is
+#: for Python 3.12 only): its runs (common_state byte entry, integrity.json) go to dist-<v>/
+NEXT_VERSION = "0.19.2"
+NEXT = Path(sys.prefix) / f"megatron-core-{NEXT_VERSION}"
+NEXT_LAYOUTS = ("tp2",)
+
+
+def next_env() -> dict:
+    """The environment that runs the writer under :data:`NEXT` (first on PYTHONPATH)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(NEXT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
 
 
 def _iter(it: int) -> str:
@@ -171,7 +183,15 @@ class MegatronCkpts:
     def dist_names(self) -> list[str]:
         return list(LAYOUTS)
 
-    def dist(self, name: str) -> DistRun:
+    def dist(self, name: str, release: str | None = None) -> DistRun:
+        """Run ``name`` as megatron-core 0.16.1 wrote it, or ``release`` (``NEXT_VERSION``:
+        no reloads) where the Makefile unpacked it (else the test is skipped)."""
+        if release is not None:
+            root = self.root / f"dist-{release}"
+            if not root.is_dir():
+                pytest.skip(f"megatron-core {release} is not unpacked at {NEXT} (make venv)")
+            entry = json.loads((root / f"{name}.manifest.json").read_text())
+            return DistRun(name=name, entry=entry, root=root, run=root / entry["run"])
         entry = json.loads((self.dist_root / f"{name}.manifest.json").read_text())
         reloads = {f"tp{t}pp{p}": self.dist_root / reload_name(name, t, p)
                    for t, p in RELOADS[name]}
@@ -200,6 +220,7 @@ def cache_key() -> str:
     for script in (WRITER, LEGACY_WRITER):
         h.update(script.name.encode() + b"\0" + script.read_bytes())
     h.update(" ".join(f"{p}={version(p)}" for p in PACKAGES).encode())
+    h.update(f"next={NEXT_VERSION if NEXT.is_dir() else None}".encode())
     return h.hexdigest()[:16]
 
 
@@ -208,12 +229,12 @@ def _torchrun(world: int, script: Path, *args) -> list:
             f"--nproc_per_node={world}", script, *args]
 
 
-def _run_twice(cmd: list, log: Path, clean) -> None:
+def _run_twice(cmd: list, log: Path, clean, env: dict | None = None) -> None:
     """Run a generator launch, once more after ``clean()`` if it fails (a port clash or a gloo
     rank dying at exit on a loaded machine); the second failure fails the session."""
     for attempt in range(2):
         clean()
-        if _run_once(cmd, log, last=attempt == 1):
+        if _run_once(cmd, log, last=attempt == 1, env=env):
             return
 
 
@@ -245,6 +266,15 @@ def generate(root: Path) -> None:
             _run_twice(_torchrun(tp * pp, WRITER, "reload", "--ckpt",
                                  dist / name / _iter(RELOADED), "--tp", str(tp), "--pp",
                                  str(pp), "--out", out), log, _remove(out))
+    if NEXT.is_dir():
+        nxt = root / f"dist-{NEXT_VERSION}"
+        nxt.mkdir()
+        for name in NEXT_LAYOUTS:
+            outputs = [nxt / name, nxt / f"{name}.manifest.json"] + [
+                nxt / f"{name}.{_iter(it)}.{kind}" for it in ITERATIONS
+                for kind in ("plain.pt", "common.pt", "live.pt", "sharded_keys.json")]
+            _run_twice(_torchrun(2, WRITER, "save", "--out", nxt, "--layout", name), log,
+                       _remove(*outputs), env=next_env())
     legacy = root / "legacy"
     _run_twice([sys.executable, LEGACY_WRITER, "--out", legacy], log, _remove(legacy))
     for path in root.rglob("*"):

@@ -101,8 +101,8 @@ def _run(cmd: list, log: Path, tries: int = 2) -> None:
             return
 
 
-def _run_once(cmd: list, log: Path, *, last: bool) -> bool:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def _run_once(cmd: list, log: Path, *, last: bool, env: dict | None = None) -> bool:
+    env = dict(os.environ if env is None else env, OMP_NUM_THREADS="1")
     t0 = time.monotonic()
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)

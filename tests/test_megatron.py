@@ -2,6 +2,8 @@
 bit against megatron-core's own views of the same files (tests/fixtures_megatron.py: a tiny
 ``GPTModel`` saved by ``dist_checkpointing.save`` at TP=2 and at PP=2 on 2 gloo ranks, in
 Megatron's run layout; ``load_plain_tensors`` and ``load_common_state_dict`` as oracles).
+megatron-core 0.16.1 writes ``common.pt``; 0.19.2 (``NEXT_VERSION``) keeps the common state
+in the byte entry ``common_state/shard_0_1`` and writes ``integrity.json``.
 
     .venv/bin/python -m pytest -q -p no:cacheprovider tests/test_megatron.py
 """
@@ -16,17 +18,24 @@ from pathlib import Path
 
 import pytest
 
+from fixtures_megatron import NEXT_VERSION
 from fixtures_torch import copy_ckpt
 from test_deepspeed import _json, _one_line, _same, _tensor
 
 torch = pytest.importorskip("torch")
 
-RUNS = ("tp2", "pp2")
+RUNS = (("tp2", None), ("pp2", None), ("tp2", NEXT_VERSION))
+CARRIER = "common_state/shard_0_1"
 
 
-@pytest.fixture(params=RUNS)
+@pytest.fixture(params=RUNS, ids=lambda p: p[0] + (f"-{p[1]}" if p[1] else ""))
 def run(request, megatron_ckpts):
-    return megatron_ckpts.dist(request.param)
+    return megatron_ckpts.dist(*request.param)
+
+
+@pytest.fixture
+def next_run(megatron_ckpts):
+    return megatron_ckpts.dist("tp2", NEXT_VERSION)
 
 
 def _plain_tensors(run, it: int = 20) -> dict:
@@ -216,55 +225,64 @@ def _equal_tree(a, b, path="") -> list[str]:
     return [] if a == b else [path]
 
 
-@pytest.mark.slow  # a torchrun launch of megatron-core (about 20 s)
-def test_a_reshard_stays_torch_dist_and_megatron_loads_it_at_another_tp(megatron_ckpts, cli,
-                                                                         tmp_path):
-    """reshard of a torch_dist checkpoint writes DCP plus Megatron's common.pt and, last,
-    metadata.json; megatron-core's own dist_checkpointing.load at TP=1 (1 rank) gives the
-    state it gives for the source itself: weights, Adam state, scheduler, iteration."""
+def _reload(ckpt: Path, out: Path, release: str | None) -> dict:
+    """megatron-core's own ``dist_checkpointing.load`` of ``ckpt`` at TP=1 on 1 rank
+    (write_megatron.py reload), under the venv's 0.16.1 or the unpacked ``release``."""
     import subprocess
     import sys
 
-    from fixtures_megatron import WRITER
+    from fixtures_megatron import WRITER, next_env
 
-    run = megatron_ckpts.dist("tp2")
+    env = next_env() if release else dict(os.environ)
+    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc_per_node=1", str(WRITER), "reload", "--ckpt", str(ckpt),
+                        "--tp", "1", "--pp", "1", "--out", str(out)],
+                       capture_output=True, text=True, timeout=600,
+                       env={**env, "OMP_NUM_THREADS": "1"})
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.mark.slow  # torchrun launches of megatron-core (about 20 s each)
+@pytest.mark.parametrize("release", [None, NEXT_VERSION], ids=["0.16.1", NEXT_VERSION])
+def test_a_reshard_stays_torch_dist_and_megatron_loads_it_at_another_tp(megatron_ckpts, cli,
+                                                                         tmp_path, release):
+    """reshard of a torch_dist checkpoint writes DCP plus Megatron's common state (0.16.1:
+    common.pt; 0.19: the common_state byte entry, as stored) and, last, metadata.json;
+    megatron-core's own dist_checkpointing.load at TP=1 (1 rank) gives the state it gives
+    for the source itself: weights, Adam state, scheduler, iteration."""
+    from ckptctl.formats import open_checkpoint
+    from ckptctl.ops.copier import object_payload
+
+    run = megatron_ckpts.dist("tp2", release)
     out = tmp_path / "run" / "iter_0000020"
     code, so, err = cli("reshard", str(run.iter_dir(20)), str(out), "--world-size", "3",
                         "--drop", "rng_state/*")
     assert code == 0, so + err
-    assert {"common.pt", "metadata.json", ".metadata"} <= {p.name for p in out.iterdir()}
-    assert (out / "common.pt").read_bytes() == (run.iter_dir(20) / "common.pt").read_bytes()
-    got = tmp_path / "reload.pt"
-    p = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                        "--nproc_per_node=1", str(WRITER), "reload", "--ckpt", str(out),
-                        "--tp", "1", "--pp", "1", "--out", str(got)],
-                       capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    mine, theirs = torch.load(got, weights_only=False), run.load_reload("tp1pp1")
+    names = {p.name for p in out.iterdir()}
+    assert {"metadata.json", ".metadata"} <= names and "integrity.json" not in names
+    if release is None:
+        assert (out / "common.pt").read_bytes() == (run.iter_dir(20) / "common.pt").read_bytes()
+        theirs = run.load_reload("tp1pp1")
+    else:
+        assert "common.pt" not in names
+        a, b = open_checkpoint(str(run.iter_dir(20))), open_checkpoint(str(out))
+        assert object_payload(a, CARRIER) == object_payload(b, CARRIER)
+        theirs = _reload(run.iter_dir(20), tmp_path / "theirs.pt", release)
+    mine = _reload(out, tmp_path / "reload.pt", release)
     assert _equal_tree(mine[0], theirs[0]) == []
     assert (mine["iteration"], mine["scheduler"]) == (theirs["iteration"], theirs["scheduler"])
+    assert mine["saved_args"] == theirs["saved_args"]
 
 
-def _with_integrity(src: Path, dst: Path) -> Path:
-    """A copy of a torch_dist folder with the integrity.json megatron-core 0.19 writes with
-    save_integrity=True (validation.save_integrity_manifest: the SHA-256 of every file at
-    the folder's top, itself aside; 0.16.1, the fixtures' writer, has no such option)."""
-    import hashlib
-
-    ck = copy_ckpt(src, dst)
-    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
-             for p in sorted(ck.iterdir()) if p.is_file()}
-    (ck / "integrity.json").write_text(json.dumps({"algorithm": "sha256", "files": files},
-                                                  indent=2))
-    return ck
-
-
-def test_verify_full_checks_megatrons_integrity_json(megatron_ckpts, cli, tmp_path):
-    ck = _with_integrity(megatron_ckpts.dist("tp2").iter_dir(20), tmp_path / "iter_0000020")
+def test_verify_full_checks_megatrons_integrity_json(next_run, cli, tmp_path):
+    """megatron-core 0.19.2's own integrity.json (save(verify_integrity=True): the SHA-256
+    of every other file, written last)."""
+    ck = copy_ckpt(next_run.iter_dir(20), tmp_path / "iter_0000020")
+    assert (ck / "integrity.json").exists()
     r = _json(cli, "verify", str(ck), "--level", "full")
     assert r["ok"] and r["content"] == "integrity.json", r
-    assert r["files_read"] == 7  # 4 .distcp, .metadata, common.pt, metadata.json
+    assert r["files_read"] == 4  # 2 .distcp, .metadata, metadata.json (and the manifest)
     # one flipped byte in a data file: found, and named
     f = ck / "__1_0.distcp"
     data = bytearray(f.read_bytes())
@@ -278,12 +296,63 @@ def test_verify_full_checks_megatrons_integrity_json(megatron_ckpts, cli, tmp_pa
     assert "integrity.json" in bad[0]["message"]
 
 
-def test_an_integrity_json_of_another_kind_is_a_finding(megatron_ckpts, cli, tmp_path):
-    ck = _with_integrity(megatron_ckpts.dist("tp2").iter_dir(20), tmp_path / "iter_0000020")
+def test_an_integrity_json_of_another_kind_is_a_finding(next_run, cli, tmp_path):
+    ck = copy_ckpt(next_run.iter_dir(20), tmp_path / "iter_0000020")
     (ck / "integrity.json").write_text(json.dumps({"algorithm": "md5", "files": {}}))
     code, out, err = cli("verify", str(ck), "--level", "full", "--json")
     r = json.loads(out)
     assert code == 1 and [p["code"] for p in r["problems"]] == ["MALFORMED_METADATA"], r
+
+
+# ------------------------------------------------------------------ 0.19: the common_state entry
+
+
+def test_the_common_state_entry_is_read_as_its_entries_and_carried_whole(next_run, cli,
+                                                                         tmp_path):
+    """0.19 keeps the common state in the byte entry common_state/shard_0_1 (a ShardedObject
+    holding [dict]): read with Namespace as a record (verify's weights-only scan admits
+    exactly that for this entry); an export writes its entries, not the carrier too."""
+    code, out, err = cli("inspect", str(next_run.iter_dir(20)))
+    assert code == 0 and "step 20 (from entry)" in out and CARRIER in out, out + err
+    r = _json(cli, "verify", str(next_run.iter_dir(20)), "--level", "full")
+    assert r["ok"], r
+    out = tmp_path / "all.pt"
+    code, so, err = cli("consolidate", str(next_run.iter_dir(20)), str(out), "--to", "torch")
+    assert code == 0, so + err
+    from ckptctl.formats.safe_pickle import numpy_globals
+
+    with torch.serialization.safe_globals(numpy_globals()):  # the rng states' numpy arrays
+        got = torch.load(out, weights_only=True)  # tensors inside objects are real storages
+    common = next_run.load_common(20)
+    assert CARRIER not in got and got["iteration"] == common["iteration"] == 20
+    assert got["args"] == {k: (str(v).removeprefix("torch.") if isinstance(v, torch.dtype)
+                               else v) for k, v in vars(common["args"]).items()}
+    rng = got["rng_state/shard_0.0_1.2"][0][0]
+    assert isinstance(rng["torch_rng_state"], torch.Tensor)
+
+
+def test_dropping_part_of_the_common_state_from_a_torch_dist_reshard_is_refused(next_run, cli,
+                                                                                tmp_path):
+    out = tmp_path / "r"
+    code, so, err = cli("reshard", str(next_run.iter_dir(20)), str(out), "--world-size", "2",
+                        "--drop", "args")
+    assert code == 3 and not out.exists(), so + err
+    _one_line(err, f"args is part of Megatron's common state ({CARRIER}), which is carried "
+                   "whole: keep it")
+
+
+def test_a_common_state_entry_naming_another_class_is_refused(next_run, cli, tmp_path):
+    """Only argparse.Namespace is admitted in the carrier: the same bytes naming another
+    global (same length, so the file stays well-formed) are refused by name."""
+    ck = copy_ckpt(next_run.iter_dir(20), tmp_path / "iter_0000020")
+    f = ck / "__0_0.distcp"
+    data = f.read_bytes()
+    assert data.count(b"argparse\nNamespace\n") == 1
+    f.write_bytes(data.replace(b"argparse\nNamespace\n", b"builtins\nenumerate\n"))
+    (ck / "integrity.json").unlink()
+    code, out, err = cli("inspect", str(ck), "--json")
+    e = json.loads(out)["error"]
+    assert code == 3 and e["code"] == "UNSAFE_INPUT" and "builtins.enumerate" in e["message"], e
 
 
 def test_unstack_layers_writes_one_entry_per_layer(run, cli, tmp_path):

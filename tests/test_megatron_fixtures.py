@@ -189,7 +189,7 @@ def _load(path):
 
 
 def test_every_legacy_run_is_there(megatron_ckpts):
-    assert megatron_ckpts.legacy_names() == ["legacy-tp2pp2", "legacy-tp4"]
+    assert sorted(megatron_ckpts.legacy_names()) == ["legacy-tp2-distopt", "legacy-tp2pp2", "legacy-tp4"]
 
 
 def test_legacy_layout_is_megatrons(megatron_ckpts):
@@ -219,7 +219,7 @@ def _join(name: str, shards: list) -> torch.Tensor:
     return shards[0]
 
 
-@pytest.mark.parametrize("name", ["legacy-tp2pp2", "legacy-tp4"])
+@pytest.mark.parametrize("name", ["legacy-tp2pp2", "legacy-tp4", "legacy-tp2-distopt"])
 def test_legacy_shards_join_to_the_full_tensors(megatron_ckpts, name):
     run = megatron_ckpts.legacy(name)
     truth = run.load_full()
@@ -233,7 +233,7 @@ def test_legacy_shards_join_to_the_full_tensors(megatron_ckpts, name):
         for f in files:
             assert f["checkpoint_version"] == 3.0 and f["iteration"] == 20
             assert f["args"].tensor_model_parallel_size == run.tp
-            assert ("optimizer" in f) == run.entry["optimizer"] == ("rng_state" in f)
+            assert ("optimizer" in f) == bool(run.entry["optimizer"]) == ("rng_state" in f)
         assert list(files[0]["model"]) == run.entry["names"][f"0_{p}"]
         for n, v in files[0]["model"].items():
             if n.endswith("_extra_state"):
@@ -244,7 +244,7 @@ def test_legacy_shards_join_to_the_full_tensors(megatron_ckpts, name):
                 i, rest = n[len("decoder.layers."):].split(".", 1)
                 g = f"decoder.layers.{int(i) + p * per}.{rest}"
             joined[g] = _join(n, [f["model"][n] for f in files])
-            if run.entry["optimizer"]:
+            if run.entry["optimizer"] is True:
                 index = {v2: int(k2) for k2, v2 in truth["optim_index"][f"0_{p}"].items()}
                 for state in ("exp_avg", "exp_avg_sq"):
                     shards = [f["optimizer"]["state"][index[n]][state] for f in files]
@@ -253,3 +253,25 @@ def test_legacy_shards_join_to_the_full_tensors(megatron_ckpts, name):
     for g, t in full.items():
         assert torch.equal(joined[g], t), g
     assert full["embedding.word_embeddings.weight"].shape[0] == run.entry["padded_vocab_size"]
+
+
+def test_distributed_optimizer_buckets_hold_each_ranks_shards_in_grad_buffer_order(
+        megatron_ckpts):
+    """distrib_optim.pt (get_parameter_state_dp_zero's layout): per TP rank, one fp32
+    buffer whose param / exp_avg / exp_avg_sq are the rank's shards flattened in the
+    recorded order, and the rank file's optimizer holds the param groups only."""
+    run = megatron_ckpts.legacy("legacy-tp2-distopt")
+    truth = run.load_full()
+    for t in range(run.tp):
+        rank = run.run / "iter_0000020" / f"mp_rank_{t:02d}"
+        f, d = _load(rank / "model_optim_rng.pt"), _load(rank / "distrib_optim.pt")
+        assert set(f["optimizer"]) == {"optimizer"} and "state" not in f["optimizer"]["optimizer"]
+        assert all("params" not in g and g["step"] == 1
+                   for g in f["optimizer"]["optimizer"]["param_groups"])
+        assert f["args"].use_distributed_optimizer is True
+        assert d["buckets_coalesced"] is True and set(d) == {"buckets_coalesced", 0}
+        bucket = d[0][torch.float32]
+        order = truth["distopt_order"][f"{t}_0"]
+        want = torch.cat([f["model"][n].reshape(-1) for n in order])
+        assert torch.equal(bucket["param"], want) and bucket["numel_unpadded"] == want.numel()
+        assert bucket["exp_avg"].shape == bucket["exp_avg_sq"].shape == want.shape

@@ -18,7 +18,7 @@ from test_deepspeed import _json, _one_line, _same, _tensor
 
 torch = pytest.importorskip("torch")
 
-LEGACY = ("legacy-tp2pp2", "legacy-tp4")
+LEGACY = ("legacy-tp2pp2", "legacy-tp4", "legacy-tp2-distopt")
 
 
 @pytest.fixture(params=LEGACY)
@@ -51,7 +51,11 @@ def test_inspect_says_the_layout_step_and_what_is_kept_per_rank(run, cli):
     assert any("padded vocabulary" in n for n in r["notes"])
     if run.entry.get("optimizer"):
         assert r["closure"]["optim"] and r["closure"]["rng"]
+    if run.entry.get("optimizer") is True:
         assert any("optimizer state stays per rank" in n for n in r["notes"])
+    if run.entry.get("optimizer") == "distributed":
+        assert any("distributed optimizer's state (distrib_optim.pt per rank, " in n
+                   for n in r["notes"]), r["notes"]
 
 
 def test_consolidate_only_model_to_safetensors_equals_the_full_tensors(run, cli, tmp_path):
@@ -183,3 +187,80 @@ def test_reshard_to_legacy_refuses_per_rank_optimizer_state(megatron_ckpts, cli,
                         "--to", "megatron-legacy", "--mesh", "tp=4")
     assert code == 2 and not (tmp_path / "out").exists()
     _one_line(err, "cannot be split again", "--drop 'optimizer.*'")
+
+
+# ------------------------------------------------------------------ the distributed optimizer
+
+DISTOPT_REFUSAL = ("cannot convert distrib_optim.mp_rank_00, distrib_optim.mp_rank_01: "
+                   "Megatron's distributed-optimizer buckets, whose parameter order the "
+                   "checkpoint does not record; leave them out with --only model or --drop "
+                   "'distrib_optim.*'")
+
+
+def test_distributed_optimizer_buckets_are_carried_and_conversions_refuse_them(
+        megatron_ckpts, cli, tmp_path):
+    """distrib_optim.pt is inspected (one opaque optim object per rank), copied byte for
+    byte by promote and checked by verify; a conversion that would have to rebuild it
+    refuses it by name, and --drop leaves it out."""
+    it = megatron_ckpts.legacy("legacy-tp2-distopt").run / "iter_0000020"
+    r = _json(cli, "inspect", str(it), "--show-objects")
+    names = {o["name"] for o in r["objects"]}
+    assert {"distrib_optim.mp_rank_00", "distrib_optim.mp_rank_01"} <= names, names
+    assert r["closure"]["optim"]
+    r = _json(cli, "verify", str(it), "--level", "full")
+    assert r["ok"] and r["files_read"] == 4, r
+    code, so, err = cli("consolidate", str(it), str(tmp_path / "out"), "--to", "torch")
+    assert code == 2 and not (tmp_path / "out").exists()
+    _one_line(err, DISTOPT_REFUSAL)
+    code, so, err = cli("reshard", str(it), str(tmp_path / "r"), "--world-size", "2",
+                        "--drop", "rng_state.*")
+    assert code == 2 and not (tmp_path / "r").exists()
+    _one_line(err, DISTOPT_REFUSAL)
+    code, so, err = cli("reshard", str(it), str(tmp_path / "r"), "--world-size", "2",
+                        "--drop", "rng_state.*", "--drop", "distrib_optim.*")
+    assert code == 0, so + err
+    it = copy_ckpt(it, tmp_path / "hot" / "iter_0000020")  # promote seals its source
+    warm = tmp_path / "warm" / "iter_0000020"
+    code, so, err = cli("promote", str(it), str(warm))
+    assert code == 0, so + err
+    for rank in ("mp_rank_00", "mp_rank_01"):
+        assert (warm / rank / "distrib_optim.pt").read_bytes() == \
+            (it / rank / "distrib_optim.pt").read_bytes()
+
+
+def test_a_broken_or_stray_distrib_optim_file_is_one_line(megatron_ckpts, cli, tmp_path):
+    it = copy_ckpt(megatron_ckpts.legacy("legacy-tp2-distopt").run / "iter_0000020",
+                   tmp_path / "iter_0000020")
+    torch.save([1, 2, 3], it / "mp_rank_01" / "distrib_optim.pt")
+    code, out, err = cli("inspect", str(it))
+    assert (code, out) == (3, "")
+    _one_line(err, "mp_rank_01/distrib_optim.pt", "not Megatron's distributed-optimizer state")
+    (it / "mp_rank_01" / "distrib_optim.pt").unlink()
+    (it / "mp_rank_02").mkdir()
+    (it / "mp_rank_02" / "distrib_optim.pt").write_bytes(
+        (it / "mp_rank_00" / "distrib_optim.pt").read_bytes())
+    code, out, err = cli("inspect", str(it))
+    assert (code, out) == (3, "")
+    _one_line(err, "mp_rank_02/distrib_optim.pt", "without a rank file beside it")
+
+
+def test_reshard_of_a_legacy_checkpoint_into_dcp_loads_with_dcp_load(megatron_ckpts, cli,
+                                                                      tmp_path):
+    """A legacy source becomes plain DCP (no Megatron common state to carry)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    run = megatron_ckpts.legacy("legacy-tp2pp2")
+    out = tmp_path / "dcp"
+    code, so, err = cli("reshard", str(run.run / "iter_0000020"), str(out), "--world-size",
+                        "3", "--drop", "rng_state.*")
+    assert code == 0, so + err
+    assert not (out / "metadata.json").exists()
+    full = {f"model.{k}": v for k, v in run.load_full()["model"].items()
+            if isinstance(v, torch.Tensor)}
+    sd = {k: torch.full_like(v, float("nan")) for k, v in full.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(sd, checkpoint_id=str(out), no_dist=True)
+    assert [k for k in full if not _same(sd[k], full[k])] == []

@@ -314,7 +314,8 @@ def opaque_objects(ck: Checkpoint, names=None) -> list[str]:
 def refuse_opaque(ck: Checkpoint, names=None, *, verb: str,
                   hint: str = "leave {them} out with --only (e.g. --only model,optim)") -> None:
     """Raise :class:`UsageError` when the selection holds opaque objects that a
-    conversion cannot carry; the message names a few and suggests ``--only``.
+    conversion cannot carry; the message names a few and suggests ``--only`` (or gives
+    the reader's reason, ``ck.info["opaque_reason"][name]``, with its own hint).
 
     >>> from ckptctl.model import Extent
     >>> ck = Checkpoint("x", "composite", objects={"rng.0": ObjectEntry("rng.0",
@@ -328,6 +329,15 @@ def refuse_opaque(ck: Checkpoint, names=None, *, verb: str,
         return
     shown = ", ".join(bad[:4]) + (", ..." if len(bad) > 4 else "")
     one = len(bad) == 1
+    reasons = ck.info.get("opaque_reason") or {}  # the reader's own words, with a hint
+    why = [n for n in bad if n in reasons]
+    if why:
+        rest = [n for n in bad if n not in reasons]
+        also = (f"; and {len(rest)} opaque pickled object{'' if len(rest) == 1 else 's'} "
+                f"({', '.join(rest[:4])}{', ...' if len(rest) > 4 else ''}), never "
+                "unpickled") if rest else ""
+        raise UsageError(f"{verb} cannot convert {', '.join(why[:4])}"
+                         f"{', ...' if len(why) > 4 else ''}: {reasons[why[0]]}{also}")
     raise UsageError(f"{verb} cannot convert {len(bad)} opaque pickled object{'' if one else 's'} "
                      f"({shown}): {'it is' if one else 'they are'} never unpickled; "
                      + hint.format(them="it" if one else "them"))

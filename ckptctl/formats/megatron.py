@@ -23,13 +23,14 @@ True
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ..errors import FormatError
 from ..model import Checkpoint, Chunk, Extent, TensorEntry
 from ..storage import Store
 from .dcp import read_dcp
 from .limits import load_json
-from .safe_pickle import record_class
+from .safe_pickle import ADMITTABLE, record_class
 from .torchfile import EntryBuilder, TorchFile
 
 CONFIG = "metadata.json"
@@ -41,7 +42,7 @@ COMMON_ENTRY = "common_state/shard_0_1"
 #: after metadata.json: ``{"algorithm": "sha256", "files": {name: hex digest}}``
 INTEGRITY = "integrity.json"
 #: the classes a common state pickles beside plain values and tensors
-COMMON_GLOBALS = {("argparse", "Namespace"): record_class("Namespace")}
+COMMON_GLOBALS = {ADMITTABLE["argparse.Namespace"]: record_class("Namespace")}
 
 
 def is_megatron_config(doc) -> bool:
@@ -71,30 +72,58 @@ def read_dist(store: Store, files: dict[str, int], *, strict: bool = True) -> Ch
     ck.info["megatron"] = {"backend": "torch_dist", "config": config}
     notes = ck.info.setdefault("notes", [])
     if COMMON in files:
-        tf = TorchFile(store, COMMON, files[COMMON], COMMON_GLOBALS)
-        if not isinstance(tf.obj, dict):
-            raise FormatError(tf.where, f"the common state is {type(tf.obj).__name__}, "
-                              "not a dict")
-        b = EntryBuilder(ck, default_file=COMMON)
-        before = set(ck.tensors) | set(ck.objects)
-        for key, value in tf.obj.items():
-            if not isinstance(key, str):
-                raise FormatError(tf.where, f"common state key {key!r} is not a string")
-            b.objects(key, value, tf)
-        ck.info["megatron"]["common"] = COMMON
-        ck.info["megatron"]["common_entries"] = sorted((set(ck.tensors) | set(ck.objects))
-                                                       - before)
+        _common_entries(ck, TorchFile(store, COMMON, files[COMMON], COMMON_GLOBALS), COMMON)
         ck.info["zip_files"] = [COMMON]  # verify --level full checks its CRCs
     elif COMMON_ENTRY in ck.objects:
-        ck.info["megatron"]["common"] = COMMON_ENTRY
-        notes.append(f"the common state (iteration, args) is the byte entry {COMMON_ENTRY}, "
-                     "kept as one object")
+        ext = ck.objects[COMMON_ENTRY].extent
+        if ext is None or ext.encoding != "torch_zip":
+            raise FormatError(store.display(ext.file if ext else CONFIG),
+                              f"{COMMON_ENTRY}: the common state is stored "
+                              f"{ext.encoding if ext else 'nowhere'}; this reader parses it "
+                              "only as written without a transform")
+        tf = TorchFile(store, ext.file, ext.length, COMMON_GLOBALS, base=ext.offset)
+        if not (isinstance(tf.obj, list) and len(tf.obj) == 1):  # a ShardedObject's [data]
+            raise FormatError(tf.where, f"{COMMON_ENTRY} holds {type(tf.obj).__name__}, not "
+                              "the one-item list Megatron saves")
+        tf.obj = tf.obj[0]
+        _common_entries(ck, tf, COMMON_ENTRY)
+        # parsed above with Namespace as a record: carried (reshard) and checked as such
+        ck.objects[COMMON_ENTRY] = replace(ck.objects[COMMON_ENTRY],
+                                           admitted=("argparse.Namespace",))
+        notes.append(f"the common state (iteration, args) is read from the byte entry "
+                     f"{COMMON_ENTRY}, which carries it whole")
     else:
         notes.append("no common state (common.pt): no iteration or args recorded")
     version = getattr(ck.objects.get("checkpoint_version"), "value", None)
     ck.info["origin"] = "Megatron-core torch_dist" + (
         f", checkpoint version {version}" if version is not None else "")
     return ck
+
+
+def _common_entries(ck: Checkpoint, tf: TorchFile, common: str) -> None:
+    """Add the entries of common state ``tf`` (a dict) to ``ck`` under their own names."""
+    if not isinstance(tf.obj, dict):
+        raise FormatError(tf.where, f"the common state is {type(tf.obj).__name__}, not a dict")
+    b = EntryBuilder(ck, default_file=tf.rel)
+    before = set(ck.tensors) | set(ck.objects)
+    for key, value in tf.obj.items():
+        if not isinstance(key, str):
+            raise FormatError(tf.where, f"common state key {key!r} is not a string")
+        b.objects(key, value, tf)
+    ck.info["megatron"]["common"] = common
+    ck.info["megatron"]["common_entries"] = sorted((set(ck.tensors) | set(ck.objects)) - before)
+
+
+def carrier(ck: Checkpoint) -> str | None:
+    """The byte entry that holds ``ck``'s common state whole (``common_state/shard_0_1``;
+    its entries are read apart too), or None. A copy into another format writes the
+    entries; a ``torch_dist`` copy writes the carrier (:func:`torch_dist_files`).
+
+    >>> carrier(Checkpoint("x", "dcp")) is None
+    True
+    """
+    meg = ck.info.get("megatron") or {}
+    return COMMON_ENTRY if meg.get("common") == COMMON_ENTRY else None
 
 
 def unstack_name(name: str, layer: int) -> str | None:
@@ -114,23 +143,27 @@ def unstack_name(name: str, layer: int) -> str | None:
 
 def torch_dist_files(ck: Checkpoint, kept: set[str]) -> tuple[set[str], list[tuple[str, bytes]]]:
     """What a DCP copy of Megatron checkpoint ``ck`` needs to stay a ``torch_dist``
-    checkpoint: the common-state entries (to leave out of the DCP files) and the files to
-    write after ``.metadata``: the source's ``common.pt`` (its bytes as they are: every
-    entry of it is kept, or this refuses) and ``metadata.json`` last, the commit marker.
+    checkpoint: the common-state entries read from ``common.pt`` or from the byte entry
+    ``common_state/shard_0_1`` (to leave out of the DCP files: the carrier holds them) and
+    the files to write after ``.metadata``: the source's ``common.pt`` (its bytes as they
+    are) and ``metadata.json`` last, the commit marker. The common state is carried whole
+    (the byte entry as a DCP entry, as stored): dropping part of it is refused.
 
     >>> torch_dist_files(Checkpoint("x", "dcp"), set())
     (set(), [])
     """
-    meg = ck.info.get("megatron")
-    if not meg:
+    meg = ck.info.get("megatron") or {}
+    if meg.get("backend") != "torch_dist":  # a legacy source becomes plain DCP
         return set(), []
     common = set(meg.get("common_entries", ()))
     after = []
-    if meg.get("common") == COMMON:
-        dropped = sorted(common - kept)
+    if meg.get("common"):
+        whole = common | ({COMMON_ENTRY} if meg["common"] == COMMON_ENTRY else set())
+        dropped = sorted(whole - kept)
         if dropped:
             raise FormatError(ck.root, f"{dropped[0]} is part of Megatron's common state "
-                              f"({COMMON}), which is carried whole: keep it")
+                              f"({meg['common']}), which is carried whole: keep it")
+    if meg.get("common") == COMMON:
         after.append((COMMON, ck.store.read(COMMON)))
     after.append((CONFIG, ck.store.read(CONFIG)))
     return common, after

@@ -16,11 +16,14 @@ Megatron-core's GPT/Llama naming, the layers of ``tensor_parallel/layers.py``):
 - ``extra``: ``_extra_state`` (Transformer Engine's bytes, or None): an object, TP rank 0's.
 
 Pipeline stages number their layers from 0; stage ``p`` of ``PP`` holds global layers
-``p * L/PP ...`` (``args.num_layers``), renumbered here. What no rule names, uneven or
-virtual pipeline stages, and the distributed optimizer's ``distrib_optim.pt`` are refused
-by name. The optimizer state (indexed by Megatron's parameter order, which the file does
-not name) and the RNG state stay each rank's own: ``optimizer.mp_rank_TT_PPP.*``,
-``rng_state.mp_rank_TT_PPP.*``; their numpy parts are opaque (never rebuilt).
+``p * L/PP ...`` (``args.num_layers``), renumbered here. What no rule names, and uneven or
+virtual pipeline stages are refused by name. The optimizer state (indexed by Megatron's
+parameter order, which the file does not name) and the RNG state stay each rank's own:
+``optimizer.mp_rank_TT_PPP.*``, ``rng_state.mp_rank_TT_PPP.*``; their numpy parts are
+opaque (never rebuilt). The distributed optimizer's ``mp_rank_TT[_PPP]/distrib_optim.pt``
+(flat fp32 buckets of ``param``/``exp_avg``/``exp_avg_sq`` in the grad buffer's order, which
+the checkpoint does not record) is checked to be one and kept as one opaque object per
+rank, ``distrib_optim.mp_rank_TT_PPP``: copies carry it, a conversion refuses it by name.
 
 >>> rank_of("mp_rank_01_002/model_optim_rng.pt"), rank_of("mp_rank_03/model_optim_rng.pt")
 ((1, 2), (3, 0))
@@ -38,6 +41,7 @@ from .torchfile import EntryBuilder, TorchFile
 from .torchzip import StoredTensor
 
 RANK_FILE = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?/model_optim_rng\.pt$")
+DISTRIB_OPTIM = "distrib_optim.pt"  # beside a rank file: the distributed optimizer's state
 #: (pattern on a parameter's name within ``model``, how it is split); first match wins
 GPT_RULES: list[tuple[re.Pattern, str]] = [(re.compile(p), kind) for p, kind in [
     (r"_extra_state$", "extra"),
@@ -147,9 +151,6 @@ def read_legacy(store: Store, files: dict[str, int]) -> Checkpoint:
     (16, 32)
     """
     where = store.url
-    if any(f.endswith("/distrib_optim.pt") or f == "distrib_optim.pt" for f in files):
-        raise _refuse(where, "Megatron's distributed optimizer (distrib_optim.pt: flat "
-                      "buffers whose parameter mapping is not in the checkpoint)")
     ranks = {rank_of(f): f for f in files if rank_of(f)}
     tps = sorted({t for t, _ in ranks})
     pps = sorted({p for _, p in ranks})
@@ -195,11 +196,20 @@ def read_legacy(store: Store, files: dict[str, int]) -> Checkpoint:
         if key in ("model", "optimizer", "rng_state"):
             continue
         _objects(b, key, value, first)
+    buckets, claimed = 0, set()
     for (t, p), tf in loaded.items():
         tag = f"mp_rank_{t:02d}_{p:03d}" if pp > 1 else f"mp_rank_{t:02d}"
         for key in ("optimizer", "rng_state"):
             if tf.obj.get(key) is not None:
                 _objects(b, f"{key}.{tag}", tf.obj[key], tf)
+        rel = f"{tf.rel.rsplit('/', 1)[0]}/{DISTRIB_OPTIM}"
+        if rel in files:
+            buckets += _distrib_optim(b, f"distrib_optim.{tag}", store, rel, files[rel])
+            claimed.add(rel)
+    stray = sorted(f for f in files if f.rsplit("/", 1)[-1] == DISTRIB_OPTIM and f not in claimed)
+    if stray:
+        raise FormatError(store.display(stray[0]), f"{DISTRIB_OPTIM} without a rank file "
+                          "beside it")
     vocab = argv.get("vocab_size")
     notes = ck.info.setdefault("notes", [])
     notes.append(f"merged from TP {tp} x PP {pp} rank files by the GPT rules "
@@ -211,11 +221,52 @@ def read_legacy(store: Store, files: dict[str, int]) -> Checkpoint:
     if any(k.startswith("optimizer.") for k in ck.tensors):
         notes.append("optimizer state stays per rank (optimizer.mp_rank_*): it is indexed by "
                      "Megatron's parameter order, which the files do not name")
+    if buckets:
+        notes.append(f"the distributed optimizer's state ({DISTRIB_OPTIM} per rank, "
+                     f"{buckets:,} fp32 elements each of param, exp_avg, exp_avg_sq in all) "
+                     "is carried as is (distrib_optim.mp_rank_*): its buckets' parameter "
+                     "order is not in the checkpoint, so no conversion rebuilds it")
+        ck.info["opaque_reason"] = {n: DISTRIB_REASON for n in ck.objects
+                                    if n.startswith("distrib_optim.")}
     ck.info["origin"] = f"Megatron legacy, TP {tp} x PP {pp}"
     it = first.obj.get("iteration")
     if isinstance(it, int) and not isinstance(it, bool):
         ck.step = it
     return ck
+
+
+DISTRIB_REASON = ("Megatron's distributed-optimizer buckets, whose parameter order the "
+                  "checkpoint does not record; leave them out with --only model or "
+                  "--drop 'distrib_optim.*'")
+
+
+def _distrib_optim(b: EntryBuilder, name: str, store: Store, rel: str, size: int) -> int:
+    """Check ``rel`` is a ``distrib_optim.pt`` (``{"buckets_coalesced": True, <buffer>:
+    {<dtype>: {"param", "exp_avg", ...: flat tensor, "numel_unpadded": int}}}``) and add it
+    as one opaque object; returns its element count (per state key)."""
+    tf = TorchFile(store, rel, size, GLOBALS)
+    obj = tf.obj
+    if not isinstance(obj, dict) or obj.get("buckets_coalesced") is not True:
+        raise FormatError(tf.where, "not Megatron's distributed-optimizer state "
+                          "(no buckets_coalesced: the per-bucket layout of an older release "
+                          "is not read)")
+    numel = 0
+    for key, per_dtype in obj.items():
+        if key == "buckets_coalesced":
+            continue
+        if not isinstance(key, int) or not isinstance(per_dtype, dict):
+            raise FormatError(tf.where, f"distributed-optimizer buffer {key!r} is not "
+                              "{dtype: tensors}")
+        for state in per_dtype.values():
+            n = state.get("numel_unpadded") if isinstance(state, dict) else None
+            if not isinstance(n, int) or not isinstance(state.get("param"), StoredTensor):
+                raise FormatError(tf.where, f"distributed-optimizer buffer {key}: no flat "
+                                  "param tensor and numel_unpadded")
+            numel += n
+    b.name_free(name, tf.where)
+    b.ck.objects[name] = ObjectEntry(name, Extent(rel, 0, 0, OPAQUE), type_name=DISTRIB_OPTIM)
+    b.ck.info["zip_files"].append(rel)  # verify --level full checks its CRCs
+    return numel
 
 
 def _objects(b: EntryBuilder, prefix: str, value, tf) -> None:

@@ -222,10 +222,27 @@ _SAFE_BUILTINS = {("collections", "OrderedDict"): dict, ("collections", "Counter
                   ("builtins", "complex"): complex, ("_codecs", "encode"): lambda *a: b""}
 
 
-def scan_weights_only(data: bytes, *, where: str = "") -> None:
+#: plain-record classes a format reader may admit for one entry (``ObjectEntry.admitted``):
+#: a pickle rebuilds them by setting attributes, nothing of theirs runs
+ADMITTABLE = {"argparse.Namespace": ("argparse", "Namespace")}
+
+
+def admitted_classes(names) -> list:
+    """The classes of :data:`ADMITTABLE` names, for ``torch.serialization.safe_globals``.
+
+    >>> admitted_classes(("argparse.Namespace",))
+    [<class 'argparse.Namespace'>]
+    """
+    import importlib
+
+    return [getattr(importlib.import_module(ADMITTABLE[n][0]), ADMITTABLE[n][1]) for n in names]
+
+
+def scan_weights_only(data: bytes, *, where: str = "", admitted=()) -> None:
     """Refuse (UnsafeInputError) a pickle naming any global that torch's ``weights_only``
     loader would refuse; nothing in it runs (every allowed global is an inert stand-in).
-    The error's ``global_name`` is the refused global (``posix.system``).
+    The error's ``global_name`` is the refused global (``posix.system``). ``admitted``:
+    :data:`ADMITTABLE` names it may also name.
 
     >>> import pickle, collections
     >>> scan_weights_only(pickle.dumps(collections.OrderedDict(a=1)))
@@ -237,11 +254,13 @@ def scan_weights_only(data: bytes, *, where: str = "") -> None:
 
     class _Scanner(pickle.Unpickler):
         def find_class(self, module, name):
-            if not _weights_only_allowed(module, name):
-                refused.append(f"{module}.{name}")
-                raise UnsafeInputError(None, f"pickle names {module}.{name}, which the "
-                                       "weights-only loader refuses")
-            return _SAFE_BUILTINS.get((module, name)) or _Inert()
+            if _weights_only_allowed(module, name):
+                return _SAFE_BUILTINS.get((module, name)) or _Inert()
+            if f"{module}.{name}" in admitted and f"{module}.{name}" in ADMITTABLE:
+                return record_class(name)  # a class: NEWOBJ needs one
+            refused.append(f"{module}.{name}")
+            raise UnsafeInputError(None, f"pickle names {module}.{name}, which the "
+                                   "weights-only loader refuses")
 
         def persistent_load(self, pid):
             return _Inert()

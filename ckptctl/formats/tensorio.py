@@ -498,4 +498,4 @@ def scan_object(ck, entry, *, zipped: bytes | None = None, expect: int | None = 
     where = ck.store.display(ext.file)
     pkl = (zip_record(zipped, "data.pkl", where) if zipped is not None
            else extent_payload(ck, ext, record="data.pkl", expect=expect))
-    scan_weights_only(bytes(pkl), where=where)
+    scan_weights_only(bytes(pkl), where=where, admitted=entry.admitted)

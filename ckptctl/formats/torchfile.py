@@ -61,17 +61,20 @@ class TorchFile:
 
     ``allowed``: extra ``(module, name) -> stand-in`` globals the pickle may name (a
     framework's classes, rebuilt as inert records); anything else is refused by name.
+    ``base``: where the zip starts in ``rel`` (a ``torch.save`` stored as a byte range of a
+    larger file, as DCP stores a bytes entry); ``size`` is the zip's own length.
     """
 
-    def __init__(self, store: Store, rel: str, size: int, allowed: dict | None = None):
-        self.store, self.rel, self.size = store, rel, size
+    def __init__(self, store: Store, rel: str, size: int, allowed: dict | None = None, *,
+                 base: int = 0):
+        self.store, self.rel, self.size, self.base = store, rel, size, base
         self.where = store.display(rel)
-        tail = store.read_range(rel, max(0, size - TAIL_GUESS), size)
+        tail = self._read(max(0, size - TAIL_GUESS), size)
         entries, need = central_directory(tail, size, where=self.where)
         if need:
             if need > 64 << 20:
                 raise FormatError(self.where, f"zip directory of {need} bytes is absurdly large")
-            entries, _ = central_directory(store.read_range(rel, size - need, size), size,
+            entries, _ = central_directory(self._read(size - need, size), size,
                                            where=self.where)
         pkl = [e for e in entries if e.name.endswith("/data.pkl") or e.name == "data.pkl"]
         if len(pkl) != 1:
@@ -82,6 +85,10 @@ class TorchFile:
         self._lock = threading.Lock()
         self.obj = self._unpickle(self._record_bytes(pkl[0], MAX_PICKLE_BYTES), allowed or {})
 
+    def _read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the zip (offsets from its start)."""
+        return self.store.read_range(self.rel, self.base + start, self.base + end)
+
     def _record_bytes(self, en: ZipEntry, limit: int) -> bytes:
         if en.method != 0:
             raise FormatError(self.where, f"{en.name}: compressed inside the zip")
@@ -89,7 +96,7 @@ class TorchFile:
             raise FormatError(self.where, f"{en.name} is {en.usize} bytes, past the "
                               f"{limit >> 20} MiB this reader parses")
         start = self._data_offset(en)
-        data = self.store.read_range(self.rel, start, start + en.usize)
+        data = self._read(start, start + en.usize)
         if len(data) != en.usize:
             raise FormatError(self.where, f"{en.name}: file is truncated", code="SIZE_MISMATCH")
         return data
@@ -98,8 +105,7 @@ class TorchFile:
         with self._lock:
             off = self._offsets.get(en.name)
         if off is None:
-            head = self.store.read_range(self.rel, en.header_offset,
-                                         en.header_offset + LOCAL_HEADER_LEN + 512)
+            head = self._read(en.header_offset, en.header_offset + LOCAL_HEADER_LEN + 512)
             off = local_data_offset(head, en, where=self.where)
             if off + en.usize > self.size:
                 raise FormatError(self.where, f"{en.name} runs past the end of the file",
@@ -170,7 +176,7 @@ class TorchFile:
                               f"data.pkl declares {dtype.nbytes(st.storage_numel)}",
                               code="DTYPE_SIZE_MISMATCH")
         base = self._data_offset(en) if count else 0
-        return Extent(self.rel, base + dtype.nbytes(st.storage_offset + start),
+        return Extent(self.rel, self.base + base + dtype.nbytes(st.storage_offset + start),
                       dtype.nbytes(count), "raw")
 
 

@@ -127,6 +127,42 @@ class _StateDictPickler(pickle._Pickler):  # the Python pickler: its dispatch ca
                 (_StorageId(pid), 0, obj.shape, stride, False, hooks, _Global("torch", obj.dtype)))
 
 
+def lift_tensors(value, keys: Iterable[str]):
+    """``value`` (a decoded object entry) with every real ``torch.Tensor`` in it replaced by
+    a :class:`TensorRef` taking the next key of ``keys``, and the bytes of each, ``[(key,
+    bytes)]``: a tensor inside an object (an RNG state) becomes a storage record as
+    ``torch.save`` writes it, not Python pickling's fallback (``torch.storage.
+    _load_from_bytes``, which ``weights_only`` loading refuses).
+
+    >>> import torch
+    >>> v, records = lift_tensors({"rng": [torch.tensor([7], dtype=torch.uint8)]}, iter("k"))
+    >>> v, records
+    ({'rng': [TensorRef(key='k', dtype='uint8', shape=(1,))]}, [('k', b'\\x07')])
+    """
+    records: list[tuple[str, bytes]] = []
+    keys = iter(keys)
+
+    def walk(v):
+        if isinstance(v, dict):
+            out = {k: walk(x) for k, x in v.items()}
+            return out if type(v) is dict else type(v)(out)  # an OrderedDict stays one
+        if isinstance(v, list):
+            return [walk(x) for x in v]
+        if isinstance(v, tuple) and type(v) is tuple:
+            return tuple(walk(x) for x in v)
+        if type(v).__module__.startswith("torch") and hasattr(v, "untyped_storage"):
+            import torch
+
+            t = v.detach().cpu().contiguous()
+            key = next(keys)
+            data = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+            records.append((key, data))
+            return TensorRef(key, str(t.dtype).removeprefix("torch."), tuple(t.shape))
+        return v
+
+    return walk(value), records
+
+
 def pickle_state(obj) -> bytes:
     """``data.pkl`` for an object tree whose tensors are :class:`TensorRef` s."""
     buf = io.BytesIO()

@@ -8,6 +8,7 @@ single-rank DCP checkpoint; streamed in row blocks with bounded memory, then sea
 """
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -186,6 +187,10 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
         left_out = set(gone)
         tensors = [n for n in tensors if n not in left_out]
         objects = [n for n in objects if n not in left_out]
+    from ..formats.megatron import carrier
+
+    # Megatron's common state goes out as its entries (iteration, args, ...), read from it
+    objects = [n for n in objects if n != carrier(ck)]
     if unstack_layers:
         from ..formats.megatron import unstack
 
@@ -357,7 +362,7 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_s
 
 def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype, strip,
                  on_bytes, force) -> _Written:
-    from ..formats.torchwrite import TensorRef, TorchZipWriter, pickle_state
+    from ..formats.torchwrite import TensorRef, TorchZipWriter, lift_tensors, pickle_state
 
     _, path = split_url(dst)
     single_file = path.endswith(SUFFIXES)
@@ -379,8 +384,9 @@ def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype, st
         return p
 
     refs = {n: TensorRef(str(i), out_dtype(n), ck.tensors[n].shape) for i, n in enumerate(tensors)}
-    tree = nest([(out_path(n), refs[n]) for n in tensors]
-                 + [(out_path(n), decode_object(ck, n)) for n in objects])
+    inner_keys = (str(i) for i in itertools.count(len(tensors)))
+    lifted = [(out_path(n), lift_tensors(decode_object(ck, n), inner_keys)) for n in objects]
+    tree = nest([(out_path(n), refs[n]) for n in tensors] + [(p, v) for p, (v, _) in lifted])
     s = stream(tensors, 1)
     with od:
         with od.open(fname) as f:
@@ -388,5 +394,8 @@ def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype, st
             zw = TorchZipWriter(w, pickle_state(tree))
             for n in tensors:
                 zw.write_record(refs[n].key, s.blocks(n))
+            for _, (_, records) in lifted:
+                for key, data in records:
+                    zw.write_record(key, [data])
             zw.close()
         return _finish(od, ck, {fname: w.result()}, not single_file)

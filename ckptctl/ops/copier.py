@@ -504,10 +504,10 @@ def decode_object(ck: Checkpoint, name: str):
 
     import torch
 
-    from ..formats.safe_pickle import numpy_globals
+    from ..formats.safe_pickle import admitted_classes, numpy_globals
 
     try:
-        with torch.serialization.safe_globals(numpy_globals()):
+        with torch.serialization.safe_globals(numpy_globals() + admitted_classes(o.admitted)):
             return torch.load(io.BytesIO(object_payload(ck, name)), weights_only=True)
     except (pickle.UnpicklingError, RuntimeError) as e:
         from ..errors import UnsafeInputError
