@@ -144,6 +144,10 @@ def test_ls_latest_and_gc_of_a_run_root_honour_the_tracker(megatron_ckpts, cli, 
     assert (code, out.strip()) == (0, str(run / "iter_0000020")), err
     # the tracker names the older one (a save after it did not update it): gc keeps it
     (run / "latest_checkpointed_iteration.txt").write_text("10")
+    code, out, err = cli("latest", str(run))  # the newest, and what Megatron would resume
+    assert (code, out.strip()) == (0, str(run / "iter_0000020")), err
+    _one_line(err, "ckptctl: warning: latest_checkpointed_iteration.txt names iter_0000010, "
+                   "not this newest one")
     r = _json(cli, "gc", str(run), "--keep-last", "1")
     assert sorted(p.name for p in run.iterdir()) == \
         ["iter_0000010", "iter_0000020", "latest_checkpointed_iteration.txt"], r
@@ -376,3 +380,100 @@ def test_unstack_layers_writes_one_entry_per_layer(run, cli, tmp_path):
             want[k] = v
     assert sorted(got) == sorted(want)
     assert [k for k in got if not _same(got[k], want[k].contiguous())] == []
+
+
+# ------------------------------------------------------------------ NeMo folders
+
+
+def _nemo1(src: Path, root: Path) -> Path:
+    """An extracted NeMo 1 ``.nemo`` as NeMo's save_to lays it out with distributed
+    weights: model_config.yaml and tokenizer files beside ``model_weights/`` (the
+    Megatron torch_dist folder). No NeMo runs here: the folder is assembled from a
+    megatron-core checkpoint."""
+    copy_ckpt(src, root / "model_weights")
+    (root / "model_config.yaml").write_text("tensor_model_parallel_size: 2\n")
+    (root / "a1b2c3_tokenizer.model").write_bytes(b"tokenizer")
+    return root
+
+
+def test_a_nemo_folder_stands_for_the_megatron_checkpoint_inside(megatron_ckpts, next_run,
+                                                                  cli, tmp_path):
+    """NeMo 1 (model_config.yaml + model_weights/) and NeMo 2 (context/ + weights/):
+    reading verbs open the weights, whole-checkpoint verbs name them (exit 2)."""
+    n1 = _nemo1(megatron_ckpts.dist("tp2").iter_dir(20), tmp_path / "nemo1")
+    n2 = tmp_path / "nemo2"
+    copy_ckpt(next_run.iter_dir(20), n2 / "weights")
+    (n2 / "context").mkdir()
+    (n2 / "context" / "io.json").write_text("{}")
+    for folder, weights, run in ((n1, "model_weights", megatron_ckpts.dist("tp2")),
+                                 (n2, "weights", next_run)):
+        r = _json(cli, "inspect", str(folder))
+        assert (r["url"], r["step"]) == (str(folder / weights), 20), r
+        out = tmp_path / f"hf-{weights}"
+        code, so, err = cli("consolidate", str(folder), str(out), "--only", "model")
+        assert code == 0, so + err
+        from safetensors.torch import load_file
+
+        got, plain = load_file(str(out / "model.safetensors")), _plain_tensors(run)
+        assert sorted(got) == _model_keys(plain)
+        assert [k for k in got if not _same(got[k], plain[k])] == []
+        code, so, err = cli("verify", str(folder))
+        assert code == 2
+        _one_line(err, "a NeMo checkpoint folder", f"`ckptctl verify {folder / weights}`")
+    r = _json(cli, "ls", str(tmp_path))
+    assert {"nemo1/model_weights", "nemo2/weights"} <= {c["name"] for c in r["checkpoints"]}
+
+
+def test_a_nemo_archive_and_per_rank_nemo_weights_are_refused_by_name(megatron_ckpts, cli,
+                                                                      tmp_path):
+    import tarfile
+
+    n1 = _nemo1(megatron_ckpts.dist("tp2").iter_dir(20), tmp_path / "nemo1")
+    with tarfile.open(tmp_path / "model.nemo", "w:") as tar:
+        tar.add(n1, arcname=".")
+    code, out, err = cli("inspect", str(tmp_path / "model.nemo"))
+    assert (code, out) == (3, "")
+    _one_line(err, "a NeMo archive", "tar -xf model.nemo -C DIR")
+    ranks = tmp_path / "tp2"
+    for t in range(2):
+        (ranks / f"mp_rank_0{t}").mkdir(parents=True)
+        torch.save({"model.decoder.final_layernorm.weight": torch.ones(4)},
+                   ranks / f"mp_rank_0{t}" / "model_weights.ckpt")
+    (ranks / "model_config.yaml").write_text("tensor_model_parallel_size: 2\n")
+    code, out, err = cli("inspect", str(ranks))
+    assert (code, out) == (3, "")
+    _one_line(err, "not a format ckptctl reads: looks like NeMo 1 per-rank model weights")
+
+
+# ------------------------------------------------------------------ S3
+
+
+@pytest.mark.parametrize("layout", ["0.19-run", "legacy"])
+def test_s3_reads_equal_local(megatron_ckpts, next_run, s3_bucket, cli, tmp_path, layout):
+    """A Megatron run root (0.19: the common_state entry, integrity.json) and a legacy TP x
+    PP folder, uploaded to loopback S3: inspect says what it says locally (the tracker
+    followed), verify --level full checks integrity.json there, and the export is the
+    same bytes."""
+    from test_deepspeed import _opts
+
+    run = next_run.run if layout == "0.19-run" else \
+        megatron_ckpts.legacy("legacy-tp2pp2").run
+    s3_bucket.upload(run, f"runs/{layout}")
+    url = s3_bucket.url(f"runs/{layout}")
+    remote = _json(cli, "inspect", url, *_opts(s3_bucket))
+    local = _json(cli, "inspect", str(run))
+    assert remote["url"] == f"{url}/iter_0000020"
+    for r in (remote, local):
+        r.pop("url")
+    assert remote == local and remote["step"] == 20
+    r = _json(cli, "verify", f"{url}/iter_0000020", "--level", "full", *_opts(s3_bucket))
+    assert r["ok"], r
+    if layout == "0.19-run":
+        assert r["content"] == "integrity.json"
+    outs = []
+    for src, extra in ((url, _opts(s3_bucket)), (str(run), [])):
+        out = tmp_path / f"out-{len(outs)}"
+        code, so, err = cli("consolidate", src, str(out), "--only", "model", *extra)
+        assert code == 0, so + err
+        outs.append((out / "model.safetensors").read_bytes())
+    assert outs[0] == outs[1]

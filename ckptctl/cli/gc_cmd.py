@@ -177,6 +177,10 @@ def latest(
         raise Finding(r.root, why)
     for x in r.rejected:  # stderr: $(ckptctl latest --verified ...) still gets the URL alone
         print(f"ckptctl: skipped {x['url']}: {x['code']}: {x['message']}", file=sys.stderr)
+    for p in r.disagrees:  # a resume through the framework would take another one
+        what = f"names {p['names']}" if p["names"] else "names no checkpoint folder"
+        print(f"ckptctl: warning: {p['file']} {what}, not this newest one (the framework's "
+              "own resume reads it)", file=sys.stderr)
     print(r.url)
 
 

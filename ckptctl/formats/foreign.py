@@ -54,6 +54,8 @@ _DS_UNIVERSAL = re.compile(r"^zero/(?:[^/]+/(?:fp32|exp_avg|exp_avg_sq|step)|opt
 #: Megatron: ``iter_NNNNNNN/mp_rank_TT[_PPP[_EEE]]/model_optim_rng.pt`` (+ distrib_optim.pt)
 _MEG_RANK_DIR = re.compile(r"^mp_rank_\d+(?:_\d+){0,2}$")
 _MEG_FILES = {"model_optim_rng.pt", "distrib_optim.pt"}
+#: NeMo 1's per-rank weights (``.nemo`` / ``.ckpt`` with TP or PP > 1): flat state dicts
+_NEMO_RANK = re.compile(r"^(?:mp_rank_\d+|tp_rank_\d+_pp_rank_\d+)/model_weights\.ckpt$")
 _MEG_TRACKER = "latest_checkpointed_iteration.txt"
 #: what may sit beside the rank folders of a legacy iteration folder that ckptctl reads
 _LEGACY_SIDE = {"ckptctl.manifest.json", ".ckptctl-pinned"}
@@ -67,7 +69,7 @@ _ORBAX_ITEM = {"_METADATA", "_sharding", "manifest.ocdbt"}
 
 #: detect_format's name for each framework (the first word of the human name)
 _FORMATS = {"DeepSpeed": "deepspeed", "Megatron-core": "megatron", "Megatron": "megatron",
-            "Orbax": "orbax"}
+            "Orbax": "orbax", "NeMo": "nemo"}
 
 MEGATRON_DIST = "Megatron-core torch_dist"
 
@@ -124,6 +126,8 @@ def recognise(files: dict[str, int]) -> str | None:
             else kind
     if any(map(_DS_UNIVERSAL.match, files)):
         return "DeepSpeed universal checkpoint"
+    if any(map(_NEMO_RANK.match, files)):
+        return "NeMo 1 per-rank model weights (mp_rank_TT/model_weights.ckpt)"
     if top & _MEG_FILES or any(f.count("/") == 1 and _MEG_RANK_DIR.match(f.split("/")[0])
                                and f.split("/")[1] in _MEG_FILES for f in files):
         return "Megatron legacy (mp_rank_TT_PPP/model_optim_rng.pt)"
@@ -316,6 +320,9 @@ def anchor(d: str, own: set[str]) -> str | None:
         return parent
     if own & _MEG_FILES:
         return parent if _MEG_RANK_DIR.match(posixpath.basename(d)) else d
+    if "model_weights.ckpt" in own and _NEMO_RANK.match(f"{posixpath.basename(d)}/"
+                                                         "model_weights.ckpt"):
+        return parent  # NeMo 1's per-rank weights: the folder of rank folders
     if _MEG_CONFIG in own and (".metadata" in own or _MEG_COMMON in own
                                or any(f.endswith(".distcp") for f in own)):
         return d

@@ -129,20 +129,46 @@ def pointers(store: Store, files: dict[str, int], folders=("",)) -> list[dict]:
 
 #: What may sit at a Megatron run root's top beside its iteration folders.
 MEGATRON_RUN_SIDE = {MEGATRON_TRACKER, "ckptctl.manifest.json", ".ckptctl-pinned"}
+#: NeMo folders: (what marks one, the folder holding its Megatron ``torch_dist`` weights):
+#: an extracted NeMo 1 ``.nemo`` (``model_config.yaml`` beside ``model_weights/``) and a
+#: NeMo 2 checkpoint (``context/`` beside ``weights/``)
+NEMO_LAYOUTS = (("model_config.yaml", "model_weights"), ("context/", "weights"))
+NEMO_ARCHIVE = ".nemo"
 
 
-def deepspeed_tag(store: Store, files: dict[str, int]) -> str | None:
-    """The tag a folder stands for when it is a DeepSpeed save folder (its top holds only
-    ``latest`` and DeepSpeed's scripts) whose ``latest`` names a tag it holds, or a
-    Megatron run root (only the tracker at its top) whose tracker names an iteration it
-    holds; else None (the reader then says what is wrong)."""
+def nemo_weights(files: dict[str, int]) -> tuple[str, str] | None:
+    """(weights folder, marker) when ``files`` are a NeMo folder whose weights are a
+    Megatron ``torch_dist`` checkpoint, else None.
+
+    >>> nemo_weights({"model_config.yaml": 9, "model_weights/metadata.json": 9})
+    ('model_weights', 'model_config.yaml')
+    >>> nemo_weights({"context/io.json": 9, "weights/metadata.json": 9})
+    ('weights', 'context/')
+    """
+    for marker, folder in NEMO_LAYOUTS:
+        marked = any(f.startswith(marker) for f in files) if marker.endswith("/") \
+            else marker in files
+        if marked and f"{folder}/metadata.json" in files:
+            return folder, marker
+    return None
+
+
+def followed(store: Store, files: dict[str, int]) -> tuple[str, str] | None:
+    """(sub-folder, what names it) that a folder stands for: the tag of a DeepSpeed save
+    folder (its top holds only ``latest`` and DeepSpeed's scripts) that its ``latest``
+    names, the iteration of a Megatron run root (only the tracker at its top) that its
+    tracker names, the weights of a NeMo folder (:func:`nemo_weights`); else None (the
+    reader then says what is wrong)."""
     top = {f for f in files if "/" not in f}
     if MEGATRON_TRACKER in top and top <= MEGATRON_RUN_SIDE:
         p = pointers(store, files)
-        return p[0]["names"] if p and p[0]["present"] else None
+        return (p[0]["names"], MEGATRON_TRACKER) if p and p[0]["present"] else None
+    if nemo := nemo_weights(files):
+        return nemo
     if not top & {LATEST, LATEST_UNIVERSAL} or not top <= DEEPSPEED_SAVE_SIDE:
         return None
-    return latest_tag(store, files, strict=False)
+    tag = latest_tag(store, files, strict=False)
+    return (tag, LATEST) if tag else None
 
 
 def locate(url: str, storage_options: dict | None = None, *,
@@ -154,10 +180,10 @@ def locate(url: str, storage_options: dict | None = None, *,
     resumes), unless ``follow_latest`` is False (``rm``, ``pin``: the folder as it is)."""
     store = open_store(url, storage_options)
     files = store.list_files()
-    if files and follow_latest and (tag := deepspeed_tag(store, files)):
-        found = locate(url.rstrip("/") + "/" + tag, storage_options, follow_latest=False)
-        found[0].opened_as = url.rstrip("/") + "/" + tag  # what readers call it
-        found[0].opened_by = MEGATRON_TRACKER if MEGATRON_TRACKER in files else LATEST
+    if files and follow_latest and (to := followed(store, files)):
+        found = locate(url.rstrip("/") + "/" + to[0], storage_options, follow_latest=False)
+        found[0].opened_as = url.rstrip("/") + "/" + to[0]  # what readers call it
+        found[0].opened_by = to[1]
         return found
     if files:  # a pack's own files: readers open the checkpoint inside with pack_view
         return store, files, None
@@ -165,6 +191,10 @@ def locate(url: str, storage_options: dict | None = None, *,
     parent = open_store(parent_url or "/", storage_options)
     if file_format(name) and parent.exists(name):
         return parent, {name: parent.size(name)}, name
+    if name.endswith(NEMO_ARCHIVE) and parent.exists(name) and not parent.isdir(name):
+        raise UnsupportedFormatError(url, "a NeMo archive (a tar of model_config.yaml and the "
+                                     f"weights): extract it, `mkdir DIR && tar -xf {name} -C "
+                                     "DIR`, and name DIR")
     if not store.exists():
         raise NotFoundError(url, "no such file or directory")
     if not store.isdir():  # a file, of no format ckptctl reads
@@ -184,7 +214,12 @@ def refuse_save_folder(located: tuple, url: str, verb: str) -> None:
     """
     tag_url = getattr(located[0], "opened_as", None)
     if tag_url and tag_url.rstrip("/") != url.rstrip("/"):
-        if getattr(located[0], "opened_by", None) == MEGATRON_TRACKER:
+        by = getattr(located[0], "opened_by", None)
+        if by in {m for m, _ in NEMO_LAYOUTS}:
+            raise UsageError(f"a NeMo checkpoint folder (its {tag_url.rsplit('/', 1)[-1]}/ "
+                             f"holds the Megatron checkpoint): name it, `ckptctl {verb} "
+                             f"{tag_url}`", url)
+        if by == MEGATRON_TRACKER:
             raise UsageError("a Megatron run root (its iterations are checkpoints): name the "
                              f"iteration, `ckptctl {verb} {tag_url}` (the one "
                              f"{MEGATRON_TRACKER} names)", url)

@@ -33,6 +33,10 @@ class LatestResult:
     state: str | None = None
     #: with ``verified``: each candidate tried, newest first, and the first problem found
     rejected: list[dict] = field(default_factory=list)
+    #: the framework's own pointer files in the answer's folder (Megatron's tracker,
+    #: DeepSpeed's ``latest``) that name another checkpoint: what that framework resumes
+    #: from instead (``{"file", "names", "present"}``, :func:`~ckptctl.formats.locate.pointers`)
+    disagrees: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -90,7 +94,11 @@ def latest(root: str, storage_options: dict | None = None, *,
                 rejected.append({"url": row.url, "code": p.code, "message": p.message,
                                  "path": p.path})
                 continue
-        return LatestResult(listing.root, row.url, row.name, row.step, row.state, rejected)
+        folder, _, leaf = row.name.rpartition("/")
+        disagrees = [p for p in listing.pointers
+                     if p["file"].rpartition("/")[0] == folder and p["names"] != leaf]
+        return LatestResult(listing.root, row.url, row.name, row.step, row.state, rejected,
+                            disagrees)
 
 
 #: Provisional candidates ``latest`` reads at once (in parallel): the newest one is nearly
