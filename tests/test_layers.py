@@ -21,7 +21,7 @@ PKG = Path(__file__).resolve().parents[1] / "ckptctl"
 LAYERS = {"cli": 4, "__main__": 4, "ops": 3, "config": 3, "formats": 2, "storage": 1}
 #: Pure modules beside the model: they import only each other (and the standard library
 #: and numpy), so every layer may use them.
-LEAVES = {"", "model", "errors", "layout", "boxes", "parts", "_deps", "bulk"}
+LEAVES = {"", "model", "errors", "layout", "boxes", "parts", "_deps", "bulk", "units"}
 UI_LIBRARIES = {"typer", "rich", "click"}
 
 

@@ -90,7 +90,7 @@ def check_size(value: str | None) -> str | None:
     is not positive is a usage error (exit 2) that names the flag."""
     if value is not None:
         from ..errors import UsageError
-        from ..ops.reshard import parse_size
+        from ..units import parse_size
 
         try:
             parse_size(value)

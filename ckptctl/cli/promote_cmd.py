@@ -71,7 +71,7 @@ def promote(
     """
     from ..ops.distributed import Group
     from ..ops.promote import promote as do_promote
-    from ..ops.reshard import parse_size
+    from ..units import parse_size
 
     s = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
     d = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")

@@ -29,7 +29,8 @@ from .copier import (BlockStream, check_objects, copy_to_dcp, decode_object,
 from .inspect import few_names
 from .output import OutputDir
 from .planner import consolidation_plan, dropped
-from .reshard import DEFAULT_MAX_MEMORY, parse_size
+from ..units import parse_size
+from .reshard import DEFAULT_MAX_MEMORY
 
 TARGETS = ("safetensors", "torch", "dcp", "deepspeed-universal")
 

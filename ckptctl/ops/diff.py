@@ -692,7 +692,7 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
     """
     from ..formats.detect import open_checkpoint
     from ..model import natural_key
-    from .reshard import parse_size
+    from ..units import parse_size
 
     if not all(math.isfinite(x) and x >= 0 for x in (atol, rtol)):
         raise UsageError("--atol and --rtol must be finite and >= 0")

@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
-from ..formats.detect import locate
+from ..formats.locate import locate
 from ..formats.locate import refuse_save_folder
 from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest, is_control_file
 from ..storage import open_store
@@ -354,12 +354,12 @@ def promote(src: str, dst: str, src_options: dict | None = None,
         _check_landed(d.work, man)  # killed between sealing the work folder and its rename
         d._publish()
         return _finish(result, sstore, sfiles, d, delete_source, t0)
-    journal = Journal(None if dry_run else d.journal_path(), {"source": man.id})
+    journal = Journal(None if dry_run else d.journal_path(), {"source": man.id}, durable=not d.local)
     if state == "resume" and (not d.local or d.ours()):
         _adopt_published(journal, present, man)
     elif state == "resume" and not journal.resumed and not dry_run:
         d.discard_work()  # another source's leftovers: nothing there can be trusted
-        journal = Journal(d.journal_path(), {"source": man.id})
+        journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
         present = {}
     todo = [rel for rel in man.files
             if journal.files.get(rel) != (man.files[rel].hash, man.files[rel].size)]
@@ -417,12 +417,12 @@ def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwli
             state, present = d.state()
             done = state == "committed" or (state == "resume" and d.local and MANIFEST in present)
             if not done:
-                journal = Journal(d.journal_path(), {"source": man.id})
+                journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
                 if state == "resume" and (not d.local or d.ours()):
                     _adopt_published(journal, present, man)
                 elif state == "resume" and not journal.resumed:
                     d.discard_work()  # another source's leftovers
-                    journal = Journal(d.journal_path(), {"source": man.id})
+                    journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
                 if WRITING_MARKER not in present:
                     d.begin(journal.path)
             go = {"error": None, "done": done, "manifest": raw.decode()}
@@ -466,7 +466,7 @@ def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwli
             group.gather({"error": None}, place)
             result.seconds = round(time.monotonic() - t0, 3)
             return result
-        journal = Journal(f"{d.journal_path()}.rank{group.rank}", {"source": man.id})
+        journal = Journal(f"{d.journal_path()}.rank{group.rank}", {"source": man.id}, durable=not d.local)
         _adopt_published(journal, d.work.list_files() if d.work.exists() else {}, man)
     else:
         result = PromoteResult(sstore.url, d.final.url, "promoted", man.checkpoint_id, sealed,

@@ -17,6 +17,7 @@ from typing import Callable
 
 from .._deps import check_torch
 from ..errors import UsageError
+from ..units import parse_size
 from ..formats.detect import open_checkpoint
 from ..formats.megatron import torch_dist_files
 from ..layout import Rules, load_rules, parse_mesh, preset
@@ -50,33 +51,6 @@ class ReshardResult:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-
-def parse_size(text: str | int) -> int:
-    """``1GiB``, ``512MB``, ``5GB``, ``1e9`` -> bytes.
-
-    >>> parse_size("1GiB"), parse_size("5GB"), parse_size("512M")
-    (1073741824, 5000000000, 536870912)
-    """
-    if isinstance(text, int):
-        return text
-    t = text.strip().upper().replace(" ", "")
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3,
-             "MB": 10**6, "GB": 10**9, "TB": 10**12, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30,
-             "T": 1 << 40, "B": 1}
-    for u, mul in units.items():
-        if t.endswith(u):
-            num = t[: -len(u)]
-            break
-    else:
-        num, mul = t, 1
-    try:
-        value = float(num)
-    except ValueError:
-        raise UsageError(f"bad size {text!r} (examples: 1GiB, 512MB)") from None
-    if value <= 0:
-        raise UsageError(f"size must be positive: {text!r}")
-    return int(value * mul)
 
 
 def build_rules(*, mesh: str | None, rules: str | None, world_size: int | None) -> Rules:

@@ -58,11 +58,14 @@ class Journal:
 
     ``header`` identifies the transfer (the source's manifest id); a journal on disk with
     another header belongs to another transfer and is started afresh. ``path=None`` keeps
-    the journal in memory only.
+    the journal in memory only. ``durable=False``: events are written but not fsynced, for
+    a destination whose own bytes are not fsynced until each file is complete (a local
+    disk): a power loss can cost the journal only what it could cost the data, and the
+    data is proven by its hash before it is published.
     """
 
-    def __init__(self, path: str | None, header: dict):
-        self.path, self.header = path, dict(header)
+    def __init__(self, path: str | None, header: dict, *, durable: bool = True):
+        self.path, self.header, self.durable = path, dict(header), durable
         self.files: dict[str, tuple[str, int]] = {}
         self.uploads: dict[str, UploadRecord] = {}
         self._lock = threading.Lock()
@@ -117,7 +120,8 @@ class Journal:
         line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
         with self._lock:
             os.write(self._fd, line)
-            os.fsync(self._fd)
+            if self.durable:
+                os.fsync(self._fd)
 
     def file_done(self, rel: str, digest: str, size: int) -> None:
         """``rel`` is complete and verified at the destination."""

@@ -6,10 +6,15 @@ implements the same contract, so ``promote`` has one code path:
 
 - :func:`create_upload` makes a hidden data file ``.<name>.<upload_id>.upload`` beside the
   target and a sidecar ``.<name>.<upload_id>.parts`` of JSON lines;
-- :func:`upload_part` ``pwrite``\\ s the part at ``(number - 1) * part_size``, fsyncs it, then
-  appends the part's line to the sidecar and fsyncs that (a part is listed only once its
-  bytes are durable); the part size is the one given to :func:`create_upload`, else the size
-  of part 1 (then part 1 must come first);
+- :func:`upload_part` ``pwrite``\\ s the part at ``(number - 1) * part_size``, then appends
+  the part's line to the sidecar (a part is listed only once its bytes are written); the
+  part size is the one given to :func:`create_upload`, else the size of part 1 (then part 1
+  must come first); :func:`copy_part` does the same with bytes of a local file, copied in
+  the kernel (``copy_file_range``: no pass through Python);
+- nothing is fsynced part by part: :func:`complete_upload` fsyncs the file once. A part
+  listed survives a killed process (it is in the page cache) but maybe not a power loss,
+  so whoever resumes a local upload checks the whole file's hash before completing it
+  (:class:`~ckptctl.storage.transfer.Transfer` does);
 - :func:`list_parts` reads the sidecar (a torn last line is ignored); :func:`complete_upload`
   checks the parts, truncates, fsyncs and renames the data file into place (atomic);
   :func:`abort_upload` removes both files; :func:`list_uploads` finds them.
@@ -28,6 +33,7 @@ implements the same contract, so ``promote`` has one code path:
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -111,6 +117,11 @@ def _local_paths(store: Store, rel: str, upload_id: str) -> tuple[str, str, str]
     return full, stem + ".upload", stem + ".parts"
 
 
+def upload_data_path(store: Store, rel: str, upload_id: str) -> str:
+    """The data file of a local upload (its bytes so far, at their final offsets)."""
+    return _local_paths(store, rel, upload_id)[1]
+
+
 def _read_sidecar(store: Store, rel: str, sidecar: str,
                   head_only: bool = False) -> tuple[dict, dict[int, Part]]:
     """(header with ``part_size``, parts by number; the last line for a number wins).
@@ -139,16 +150,80 @@ def _read_sidecar(store: Store, rel: str, sidecar: str,
     return head, parts
 
 
-def _append_line(path: str, rec: dict) -> None:
+def _append_line(path: str, rec: dict, *, sync: bool = True) -> None:
     """Append one JSON line in one write (O_APPEND: lines of parallel writers never mix).
     It starts with a newline too: after a crash tore the last line, the next one is still
     a line of its own (blank lines are skipped)."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND)
     try:
         os.write(fd, b"\n" + json.dumps(rec, separators=(",", ":")).encode() + b"\n")
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _local_part_size(store: Store, rel: str, sidecar: str, number: int, n: int) -> int:
+    """The part size of a local upload (recorded by part 1 when create_upload had none);
+    refuses a part of the wrong size."""
+    head, _ = _read_sidecar(store, rel, sidecar, head_only=True)
+    if head.get("part_size") is None:  # a header longer than 4 KiB (a very long name)
+        head, _ = _read_sidecar(store, rel, sidecar)
+    size = head.get("part_size")
+    if size is None:
+        if number != 1:
+            raise UsageError("a local upload without a part size must send part 1 "
+                             "first (pass part_size to create_upload)", store.display(rel))
+        size = n
+        _append_line(sidecar, {"part_size": n})
+    if n > size or n == 0 and number > 1:
+        raise UsageError(f"part {number} has {n} bytes, the upload's parts {size}",
+                         store.display(rel))
+    return size
+
+
+def _open_upload(store: Store, rel: str, path: str) -> int:
+    try:
+        return os.open(path, os.O_WRONLY)
+    except FileNotFoundError:
+        raise NotFoundError(store.display(rel), "no such upload (completed or aborted)") \
+            from None
+
+
+def kernel_copy(src_fd: int, dst_fd: int, offset: int, n: int, dst_offset: int | None = None) -> int:
+    """Copy ``n`` bytes at ``offset`` of ``src_fd`` to ``dst_offset`` (default the same)
+    of ``dst_fd`` in the kernel (``copy_file_range``; ``pread``/``pwrite`` where the
+    filesystems cannot); returns the bytes copied (fewer: the source ended).
+
+    >>> import os, tempfile
+    >>> a, b = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    >>> _ = a.write(b"abcdef"); a.flush()
+    >>> kernel_copy(a.fileno(), b.fileno(), 2, 10), os.pread(b.fileno(), 9, 0)
+    (4, b'\\x00\\x00cdef')
+    """
+    dst_offset = offset if dst_offset is None else dst_offset
+    done = 0
+    use_kernel = hasattr(os, "copy_file_range")
+    while done < n:
+        if use_kernel:
+            try:
+                got = os.copy_file_range(src_fd, dst_fd, min(n - done, 1 << 30),
+                                         offset + done, dst_offset + done)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                use_kernel = False
+                continue
+        else:
+            data = os.pread(src_fd, min(n - done, 8 << 20), offset + done)
+            got = len(data)
+            view = memoryview(data)
+            while view:
+                view = view[os.pwrite(dst_fd, view, dst_offset + done + got - len(view)):]
+        if got == 0:
+            break
+        done += got
+    return done
 
 
 # ------------------------------------------------------------------------------ the calls
@@ -190,7 +265,8 @@ def upload_part(store: Store, rel: str, upload_id: str, number: int,
                 data: bytes | memoryview) -> Part:
     """Send part ``number`` (1..10,000) of an upload. Every part but the last must be at
     least 5 MiB on S3 (and, locally, exactly the upload's part size). Sending a number
-    again replaces that part. The part is durable when this returns.
+    again replaces that part. On S3 the part is durable when this returns; locally, once
+    the upload is completed (see the module docstring).
 
     >>> import tempfile
     >>> from ckptctl.storage import open_store
@@ -205,34 +281,17 @@ def upload_part(store: Store, rel: str, upload_id: str, number: int,
         import xxhash
 
         _, path, sidecar = _local_paths(store, rel, upload_id)
-        head, _ = _read_sidecar(store, rel, sidecar, head_only=True)
-        if head.get("part_size") is None:  # a header longer than 4 KiB (a very long name)
-            head, _ = _read_sidecar(store, rel, sidecar)
-        size = head.get("part_size")
         with store._errors(rel):
-            if size is None:
-                if number != 1:
-                    raise UsageError("a local upload without a part size must send part 1 "
-                                     "first (pass part_size to create_upload)", store.display(rel))
-                size = n
-                _append_line(sidecar, {"part_size": n})
-            if n > size or n == 0 and number > 1:
-                raise UsageError(f"part {number} has {n} bytes, the upload's parts "
-                                 f"{size}", store.display(rel))
-            try:
-                fd = os.open(path, os.O_WRONLY)
-            except FileNotFoundError:
-                raise NotFoundError(store.display(rel), "no such upload (completed or "
-                                    "aborted)") from None
+            size = _local_part_size(store, rel, sidecar, number, n)
+            fd = _open_upload(store, rel, path)
             try:
                 mv, off, done = memoryview(data).cast("B"), (number - 1) * size, 0
                 while done < n:
                     done += os.pwrite(fd, mv[done:], off + done)
-                getattr(os, "fdatasync", os.fsync)(fd)  # the data; its size goes with it
             finally:
                 os.close(fd)
             etag = xxhash.xxh3_128(data).hexdigest()
-            _append_line(sidecar, {"n": number, "etag": etag, "size": n})
+            _append_line(sidecar, {"n": number, "etag": etag, "size": n}, sync=False)
         store._count(writes=1, bytes_written=n)
         return Part(number, etag, n)
     bucket, key = _bucket_key(store, rel)
@@ -241,6 +300,45 @@ def upload_part(store: Store, rel: str, upload_id: str, number: int,
                  PartNumber=number, Body=body)
     store._count(writes=1, bytes_written=n)
     return Part(number, str(resp["ETag"]), n)
+
+
+def copy_part(src: Store, src_rel: str, dst: Store, rel: str, upload_id: str, number: int,
+              start: int, n: int) -> Part:
+    """Part ``number`` of a local upload to ``dst``: bytes ``[start, start + n)`` of the
+    local file ``src_rel``, copied in the kernel (:func:`kernel_copy`). Its ETag is a
+    fresh token (nothing reads the bytes to hash them: the caller hashes the whole file
+    before completing it).
+
+    >>> import tempfile, pathlib
+    >>> from ckptctl.storage import open_store
+    >>> d = tempfile.mkdtemp(); _ = pathlib.Path(d, "a").write_bytes(b"0123456789")
+    >>> s = open_store(d); uid = create_upload(s, "b", part_size=4)
+    >>> ps = [copy_part(s, "a", s, "b", uid, i + 1, i * 4, min(4, 10 - i * 4)) for i in range(3)]
+    >>> complete_upload(s, "b", uid, ps); s.read("b")
+    b'0123456789'
+    """
+    if not (src.is_local and dst.is_local):
+        raise UsageError("copy_part copies between local files", dst.display(rel))
+    _, path, sidecar = _local_paths(dst, rel, upload_id)
+    with dst._errors(rel):
+        size = _local_part_size(dst, rel, sidecar, number, n)
+        fd = _open_upload(dst, rel, path)
+        try:
+            with src._errors(src_rel):
+                sfd = os.open(src.full(src_rel), os.O_RDONLY)
+                try:
+                    got = kernel_copy(sfd, fd, start, n, (number - 1) * size)
+                finally:
+                    os.close(sfd)
+        finally:
+            os.close(fd)
+        if got != n:
+            raise StorageError(src.display(src_rel), f"shorter than expected ({start + got} "
+                               f"of at least {start + n} bytes)", code="SIZE_MISMATCH")
+        etag = uuid.uuid4().hex[:16]
+        _append_line(sidecar, {"n": number, "etag": etag, "size": n}, sync=False)
+    dst._count(writes=1, bytes_written=n)
+    return Part(number, etag, n)
 
 
 def list_parts(store: Store, rel: str, upload_id: str, *, page: int = 1000) -> list[Part]:

@@ -18,53 +18,12 @@ window's bytes, e.g. 64 MiB parts at 200 MiB/s are 3% of 10 s.
 """
 from __future__ import annotations
 
-import re
 import threading
 import time
 from typing import Callable
 
 from ..errors import UsageError
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-          "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
-_RATE = re.compile(r"(?P<num>\d+(?:\.\d*)?|\.\d+)(?:e(?P<exp>[+-]?\d+))?\s*"
-                   r"(?P<unit>[kmgt]i?)?(?P<b>b)?(?P<per>/s)?", re.I)
-
-
-def parse_rate(text: str | float | int | None) -> float | None:
-    """A bandwidth in bytes per second, or None for no limit (``0``, ``off``, empty).
-
-    ``KB``/``MB``/``GB``/``TB`` are powers of 1000, ``KiB``/``MiB``/``GiB``/``TiB`` powers of
-    1024; a bare ``K``/``M``/``G``/``T`` means the binary unit, as in rclone's ``--bwlimit``.
-    ``/s`` is optional. Only bytes: there is no bits unit.
-
-    >>> parse_rate("200MiB/s"), parse_rate("1.5GB/s"), parse_rate("100M"), parse_rate("100MiB")
-    (209715200.0, 1500000000.0, 104857600.0, 104857600.0)
-    >>> parse_rate("0"), parse_rate("off"), parse_rate(""), parse_rate(None), parse_rate(1e6)
-    (None, None, None, None, 1000000.0)
-    >>> parse_rate("fast")
-    Traceback (most recent call last):
-    ckptctl.errors.UsageError: bad rate 'fast' (examples: 200MiB/s, 1.5GB/s, 100M, off)
-    """
-    if text is None:
-        return None
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        value = float(text)
-    else:
-        t = str(text).strip()
-        if t.lower() in ("", "0", "off", "none", "unlimited"):
-            return None
-        m = _RATE.fullmatch(t)
-        if m is None:
-            raise UsageError(f"bad rate {str(text)[:40]!r} (examples: 200MiB/s, 1.5GB/s, 100M, off)")
-        unit = (m["unit"] or "").lower()
-        if len(unit) == 1 and not m["b"]:  # bare K/M/G/T: binary, like rclone
-            unit += "i"
-        value = float(m["num"]) * 10 ** int(m["exp"] or 0) * _UNITS[unit]
-    if value != value or value < 0 or value == float("inf"):
-        raise UsageError(f"rate must be a positive number of bytes per second, got {text!r}")
-    return value or None
-
+from ..units import parse_rate
 
 class RateLimiter:
     """A token bucket shared by threads: :meth:`acquire` ``n`` bytes before sending them.

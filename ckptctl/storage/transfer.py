@@ -14,6 +14,7 @@ resume part by part (parts already sent are re-read and re-hashed, never re-sent
 """
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -79,6 +80,9 @@ class Transfer:
         # it is read (else 2 * workers parts arrive in one unpaced burst), a local one as
         # it is sent (so re-reading the parts of a resumed upload costs nothing)
         self.pace_reads = not src.is_local
+        # local to local: parts are copied in the kernel and the file is proven where it
+        # landed (hashed from the page cache right behind the copies), never read in Python
+        self.kernel = src.is_local and dst.is_local
 
     def close(self) -> None:
         self.cancel.set()
@@ -133,6 +137,8 @@ class Transfer:
             return self._server_copy(rel, size, want)
         if size <= self.part_size:
             return self._put(rel, size, want)
+        if self.kernel:
+            return self._kernel_multipart(rel, size, want)
         return self._multipart(rel, size, want)
 
     def _put(self, rel: str, size: int, want: str) -> FileCopy:
@@ -282,6 +288,82 @@ class Transfer:
         except CkptError as e:  # a retry after a lost answer finds the upload completed
             if e.code != "MISSING_FILE" or not self._landed(rel, size):
                 raise
+        self.journal.file_done(rel, result.digest, size)
+        return result
+
+    def _kernel_multipart(self, rel: str, size: int, want: str) -> FileCopy:
+        """A local-to-local multipart copy: the parts go from file to file in the kernel
+        (:func:`~.multipart.copy_part`) on the pool; this thread hashes the upload's data
+        file part by part right behind them (from the page cache) and completes the upload
+        only if the whole file hashes to ``want``. One pass over the bytes in Python
+        (the hash), one fsync (at completion). Parts a killed run left are kept as listed
+        and proven by the same hash."""
+        resumed = self._resumable(rel)
+        if resumed is None:
+            part_size = multipart.part_size_for(size, self.part_size)
+            upload_id = multipart.create_upload(self.dst, rel, part_size=part_size)
+            self.journal.upload_started(rel, upload_id, part_size)
+            have: dict[int, multipart.Part] = {}
+        else:
+            upload_id, part_size, have = resumed
+        result = FileCopy(rel, size, "", "multipart")
+        lock = threading.Lock()
+
+        def send(number: int, start: int, n: int) -> multipart.Part:
+            self._check()
+            self.limiter.acquire(n)
+            self._check()
+            part = multipart.copy_part(self.src, rel, self.dst, rel, upload_id, number, start, n)
+            self.journal.part_done(rel, number, part.etag, part.size, "")
+            with lock:
+                result.sent += n
+                result.parts_sent += 1
+            self._progress(n)
+            return part
+
+        spans = [(number, start, min(size, start + part_size) - start)
+                 for number, start in enumerate(range(0, size, part_size), 1)]
+        futures: dict[int, Future] = {}
+        parts: dict[int, multipart.Part] = {}
+        for number, start, n in spans:
+            if number in have:
+                parts[number] = have[number]
+                result.parts_resumed += 1
+                self._progress(n)
+            else:
+                futures[number] = self.pool.submit(send, number, start, n)
+        data_path = multipart.upload_data_path(self.dst, rel, upload_id)
+        h = new_hasher(self.algo)
+        buf = bytearray(min(part_size, 8 << 20))
+        view = memoryview(buf)
+        try:
+            fd = os.open(data_path, os.O_RDONLY)
+            try:
+                for number, start, n in spans:
+                    if number in futures:
+                        parts[number] = futures[number].result()
+                    done = 0
+                    while done < n:
+                        got = os.preadv(fd, [view[:min(len(buf), n - done)]], start + done)
+                        if got == 0:
+                            break
+                        h.update(view[:got])
+                        done += got
+                    if done != n:
+                        raise Finding(self.dst.display(rel), f"part {number} holds {done} of "
+                                      f"its {n} bytes at the destination", code="SIZE_MISMATCH")
+            finally:
+                os.close(fd)
+        except BaseException:
+            self.cancel.set()  # the other files stop too; the upload stays for a rerun
+            wait(list(futures.values()))
+            raise
+        result.digest = h.hexdigest()
+        if result.digest != want:  # the source changed, or a part was lost: start afresh
+            multipart.abort_upload(self.dst, rel, upload_id)
+            self.journal.forget(rel)
+            raise self._mismatch(rel, result.digest)
+        multipart.complete_upload(self.dst, rel, upload_id, [parts[n] for n in sorted(parts)])
         self.journal.file_done(rel, result.digest, size)
         return result
 
