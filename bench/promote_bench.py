@@ -97,6 +97,27 @@ for i in range(24):
 dcp.save(sd, storage_writer=FileSystemWriter(out, thread_count=4))
 """
 
+# the many-small-files shape: a Hugging Face folder of N safetensors shards (what a
+# sharded save of a small model or an adapter sweep looks like), with its index
+SMALL_GEN = """
+import json, sys, torch
+from safetensors.torch import save_file
+out, n, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+g = torch.Generator().manual_seed(0)
+per = max(256, size // n // 4)
+index = {"metadata": {"total_size": 0}, "weight_map": {}}
+import os
+os.makedirs(out, exist_ok=True)
+for i in range(n):
+    name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+    t = torch.randn(per, generator=g) * (1 + i % 7)
+    save_file({f"layers.{i}.weight": t}, os.path.join(out, name))
+    index["weight_map"][f"layers.{i}.weight"] = name
+    index["metadata"]["total_size"] += t.numel() * 4
+with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+    json.dump(index, f)
+"""
+
 
 # --------------------------------------------------------------------------- helpers
 def binary(name: str) -> str | None:
@@ -295,8 +316,12 @@ class Bench:
     def prepare(self) -> dict:
         a = self.a
         self.src.parent.mkdir(parents=True, exist_ok=True)
-        gen = measure([sys.executable, "-c", GEN, str(self.src), str(a.size_mib * MIB)],
-                      capture=True)
+        if a.small_files:
+            gen = measure([sys.executable, "-c", SMALL_GEN, str(self.src), str(a.small_files),
+                           str(a.size_mib * MIB)], capture=True)
+        else:
+            gen = measure([sys.executable, "-c", GEN, str(self.src), str(a.size_mib * MIB)],
+                          capture=True)
         seal = measure([self.ck, "seal", "--quiet", str(self.src)])
         self.want = digests(self.src)
         self.nbytes = sum(s for s, _ in self.want.values())
@@ -546,6 +571,11 @@ def main(argv=None) -> int:
                     help="--bwlimit rates to check (default 50MiB/s,20MiB/s; empty: skip)")
     ap.add_argument("--window", type=float, default=10.0, help="rate window, s (default 10)")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold local runs")
+    ap.add_argument("--small-files", type=int, default=0, metavar="N",
+                    help="a Hugging Face folder of N safetensors shards of --size-mib in "
+                    "all, instead of the DCP checkpoint")
+    ap.add_argument("--section", default=None,
+                    help="BENCHMARKS.md section (default: promote-<size> or promote-files)")
     add_output_args(ap)
     a = ap.parse_args(argv)
     log = lambda m: print(m, flush=True)
@@ -589,7 +619,9 @@ def main(argv=None) -> int:
         facts = machine_facts()
         load_after = load_average()
         o = []
-        o.append("## promote vs cp -r / rclone copy / s5cmd cp, and --bwlimit\n")
+        what = (f"{len(b.want)} files" if a.small_files else f"{b.nbytes / 1e9:.1f} GB")
+        o.append(f"## promote ({what}) vs cp -r / rclone copy / s5cmd cp"
+                 + (", and --bwlimit" if bw else "") + "\n")
         o.append(f"Run {facts['date']} on {facts['cpu']}, {facts.get('memory', '?')} RAM, "
                  f"kernel {facts['kernel']}, Python {facts['python']}; "
                  f"{tool_version(['cp', '--version'])}; {srv_version}"
@@ -600,14 +632,21 @@ def main(argv=None) -> int:
              else sys.executable, os.path.relpath(__file__, ROOT), *sys.argv[1:]]) + "\n```\n")
         sizes = sorted((s for s, _ in b.want.values()), reverse=True)
         gen = setup["generate"]
-        o.append(f"Checkpoint: DCP written by `torch.distributed.checkpoint.save` "
-                 f"(`FileSystemWriter(thread_count=4)`), {b.nbytes / MB:.0f} MB in "
-                 f"{len(b.want)} files (sealed: `.metadata`, 4 `.distcp`, the manifest), "
-                 f"file sizes {', '.join(human(s) for s in sizes)}; written in "
-                 f"{gen.wall_s:.1f} s, sealed in {setup['seal'].wall_s:.2f} s (xxh3-128, "
-                 "before the runs, not timed). "
-                 + ("**Missing here, rows skipped: " + ", ".join(missing) + ".** "
-                    if missing else ""))
+        if a.small_files:
+            o.append(f"Checkpoint: a Hugging Face folder of {a.small_files} safetensors "
+                     f"shards and its index, {b.nbytes / MB:.1f} MB in {len(b.want)} files "
+                     f"(sealed), files of {human(sizes[-1])} to {human(sizes[0])}; written in "
+                     f"{gen.wall_s:.1f} s, sealed in {setup['seal'].wall_s:.2f} s (xxh3-128, "
+                     "before the runs, not timed). ")
+        else:
+            o.append(f"Checkpoint: DCP written by `torch.distributed.checkpoint.save` "
+                     f"(`FileSystemWriter(thread_count=4)`), {b.nbytes / MB:.0f} MB in "
+                     f"{len(b.want)} files (sealed: `.metadata`, 4 `.distcp`, the manifest), "
+                     f"file sizes {', '.join(human(s) for s in sizes)}; written in "
+                     f"{gen.wall_s:.1f} s, sealed in {setup['seal'].wall_s:.2f} s (xxh3-128, "
+                     "before the runs, not timed). ")
+        if missing:
+            o[-1] += "**Missing here, rows skipped: " + ", ".join(missing) + ".** "
         o.append("**Machine caveat:** 2 vCPUs shared with other jobs, the S3 server, the "
                  "client and (for the request counts) the proxy all on the same cores over "
                  "loopback; wall times are noisy, ratios in the same run are what to compare.\n")
@@ -683,7 +722,10 @@ def main(argv=None) -> int:
         text = "\n".join(o) + "\n"
         print("\n" + text)
         if not a.no_write:
-            path = write_section("promote", text, Path(a.md))
+            section = a.section or ("promote-files" if a.small_files
+                                    else f"promote-{a.size_mib // 1024 or 1}g"
+                                    if a.size_mib >= 1024 else f"promote-{a.size_mib}m")
+            path = write_section(section, text, Path(a.md))
             log(f"wrote the promote section of {path}")
         log(f"total {time.monotonic() - t_start:.0f} s")
         return 0

@@ -52,6 +52,8 @@ class Request(NamedTuple):
     method: str
     path: str
     range: str | None
+    #: ``x-amz-content-sha256``: the body's SHA-256, or ``UNSIGNED-PAYLOAD``
+    payload_hash: str | None = None
 
     @property
     def key(self) -> str:
@@ -115,7 +117,7 @@ class _ProxyHandler(BaseHTTPRequestHandler):
 
     def _relay(self):
         srv, h = self.server, self.headers
-        req = Request(self.command, self.path, h.get("Range"))
+        req = Request(self.command, self.path, h.get("Range"), h.get("x-amz-content-sha256"))
         with srv.lock:
             srv.log.append(req)
             fault = srv.fault

@@ -59,7 +59,8 @@ def test_request_log_counts_one_ranged_get(server, bucket):
     fs.pipe_file(f"{bucket}/x/shard.distcp", os.urandom(4096))
     server.reset_log()
     assert fs.cat_file(f"{bucket}/x/shard.distcp", start=100, end=200) is not None
-    assert server.request_log() == [Request("GET", f"/{bucket}/x/shard.distcp", "bytes=100-199")]
+    assert [r[:3] for r in server.request_log()] == [
+        Request("GET", f"/{bucket}/x/shard.distcp", "bytes=100-199")[:3]]
     (req,) = server.request_log()
     assert (req.op, req.key) == ("GET", f"{bucket}/x/shard.distcp")
 

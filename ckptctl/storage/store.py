@@ -450,8 +450,9 @@ class Store:
 
     def read_into(self, rel: str, start: int, buf: memoryview) -> int:
         """Fill ``buf`` with the bytes at ``start``; returns how many there were. Local
-        files are read straight into ``buf`` (``preadv``): no new memory per read, which
-        matters since first touches of fresh memory run at a fraction of copy speed."""
+        files are read straight into ``buf`` (``preadv``), S3 objects too (one ranged GET,
+        :func:`~ckptctl.storage.s3data.get_into`): no new memory per read, which matters
+        since first touches of fresh memory run at a fraction of copy speed."""
         if self.is_local and not (self._small is not None and self._small.wants(rel)):
             n = 0
             with self._errors(rel):
@@ -465,6 +466,10 @@ class Store:
                 self.stats.reads += 1
                 self.stats.bytes_read += n
             return n
+        if self.is_s3 and not (self._small is not None and self._small.wants(rel)):
+            from . import s3data  # ranged GETs read straight into buf, off s3fs's loop
+
+            return s3data.get_into(self, rel, start, buf)
         data = self.read_range(rel, start, start + len(buf))
         buf[:len(data)] = data
         return len(data)
@@ -535,7 +540,9 @@ class Store:
 
         Local files are read with ``readinto`` into a buffer this thread reuses (1 MiB: it
         stays in cache while the caller hashes it), so a block is only valid until the next
-        one is asked for: consume or copy it first. Remote files stream ``block`` bytes per
+        one is asked for: consume or copy it first. S3 objects come in ``block``-byte
+        ranged GETs, four in flight (:func:`~ckptctl.storage.s3data.iter_blocks`), each also
+        valid until the next is asked for; other remote files stream ``block`` bytes per
         read; small files the store caches (:meth:`cache_small_files`) come from the cache.
         ``on_bytes(n)`` is called for each block; stats count one read and the bytes; every
         failure is one :class:`CkptError` naming ``rel``.
@@ -574,6 +581,14 @@ class Store:
                             yield mv[:n]
                 finally:
                     _give_buffer(buf)
+            elif self.is_s3:  # ranged GETs in flight while the caller hashes
+                from . import s3data
+
+                for view in s3data.iter_blocks(self, rel, self.size(rel), block=block):
+                    total += len(view)
+                    if on_bytes:
+                        on_bytes(len(view))
+                    yield view
             else:
                 with self._errors(rel):
                     f = self.fs.open(self.full(rel), "rb", block_size=block)
@@ -715,10 +730,22 @@ class Store:
         if self.is_local:
             self._forget(rel)
             self._write_atomic_local(rel, full, data, exclusive)
+        elif self.is_s3:
+            from . import s3data
+
+            try:
+                s3data.put_object(self, rel, data, exclusive=exclusive)
+            except CkptError as e:
+                if e.code != "ALREADY_EXISTS":
+                    raise
+                from ..errors import Finding
+                raise Finding(self.display(rel), "already exists (another writer "
+                              "committed it)", code="ALREADY_EXISTS") from None
         else:
             with self._errors(rel):
                 try:
-                    self.fs.pipe_file(full, data, mode="create" if exclusive else "overwrite")
+                    self.fs.pipe_file(full, bytes(data),
+                                      mode="create" if exclusive else "overwrite")
                 except FileExistsError:
                     from ..errors import Finding
                     raise Finding(self.display(rel), "already exists (another writer "

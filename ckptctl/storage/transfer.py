@@ -88,21 +88,25 @@ class Transfer:
         self.cancel.set()
         self.pool.shutdown(wait=True, cancel_futures=True)
 
-    def _take(self, n: int) -> tuple[bytearray | None, memoryview | None]:
-        """A slot for one part in flight, and (local sources) a reused buffer of ``n``."""
-        self.in_flight.acquire()
-        if not self.src.is_local:
-            return None, None
+    def _take(self, n: int, hash_one: Callable[[], bool] | None = None
+              ) -> tuple[bytearray, memoryview]:
+        """A slot for one part in flight and a reused buffer of ``n`` bytes. While every
+        slot is taken, ``hash_one()`` is called to hash (and so free) the caller's next
+        part; it returns False when the caller holds no part waiting for its hash."""
+        while not self.in_flight.acquire(blocking=False):
+            if hash_one is None or not hash_one():
+                while not self.in_flight.acquire(timeout=0.1):
+                    self._check()
+                break
         with self._buffers_lock:
             buf = self._buffers.pop() if self._buffers else None
         if buf is None or len(buf) < n:
             buf = bytearray(max(n, self.part_size))
         return buf, memoryview(buf)[:n]
 
-    def _give(self, buf: bytearray | None) -> None:
-        if buf is not None:
-            with self._buffers_lock:
-                self._buffers.append(buf)
+    def _give(self, buf: bytearray) -> None:
+        with self._buffers_lock:
+            self._buffers.append(buf)
         self.in_flight.release()
 
     def _check(self) -> None:
@@ -142,19 +146,25 @@ class Transfer:
         return self._multipart(rel, size, want)
 
     def _put(self, rel: str, size: int, want: str) -> FileCopy:
-        if self.pace_reads:
-            self.limiter.acquire(size)
-        data = (with_retries(lambda: self.src.read_range(rel, 0, size), what=rel,
-                             sleep=self._backoff) if size else b"")
-        h = new_hasher(self.algo)
-        h.update(data)
-        digest = h.hexdigest()
-        if len(data) != size or digest != want:
-            raise self._mismatch(rel, digest)
-        self._check()
-        if not self.pace_reads:
-            self.limiter.acquire(size)
-        with_retries(lambda: self.dst.write_atomic(rel, data), what=rel, sleep=self._backoff)
+        buf, view = self._take(size)
+        try:
+            if self.pace_reads:
+                self.limiter.acquire(size)
+            got = (with_retries(lambda: self.src.read_into(rel, 0, view), what=rel,
+                                sleep=self._backoff) if size else 0)
+            data = view[:got]
+            h = new_hasher(self.algo)
+            h.update(data)
+            digest = h.hexdigest()
+            if got != size or digest != want:
+                raise self._mismatch(rel, digest)
+            self._check()
+            if not self.pace_reads:
+                self.limiter.acquire(size)
+            with_retries(lambda: self.dst.write_atomic(rel, data), what=rel,
+                         sleep=self._backoff)
+        finally:
+            self._give(buf)
         self.journal.file_done(rel, digest, size)
         self._progress(size)
         return FileCopy(rel, size, digest, "put", sent=size)
@@ -188,6 +198,11 @@ class Transfer:
         return rec.upload_id, rec.part_size, good
 
     def _multipart(self, rel: str, size: int, want: str) -> FileCopy:
+        """A multipart copy through memory: each part is read into a reused buffer and sent
+        by one worker (so ``workers`` reads and sends are in flight at once, S3 GETs
+        included), while this thread hashes the parts in order as they arrive and
+        completes the upload only if the whole file hashes to ``want``. Parts a killed run
+        left are re-read and re-hashed, never re-sent."""
         resumed = self._resumable(rel)
         if resumed is None:
             part_size = multipart.part_size_for(size, self.part_size)
@@ -199,82 +214,121 @@ class Transfer:
         else:
             upload_id, part_size, have = resumed
         rec = self.journal.uploads[rel]
-        h = new_hasher(self.algo)
         parts: dict[int, multipart.Part] = {}
-        futures: list[Future] = []
         result = FileCopy(rel, size, "", "multipart")
         lock = threading.Lock()
+        changed = threading.Event()  # a resumed part differs: the upload cannot be finished
 
-        def send(number: int, data, digest: str, buf) -> None:
+        def move(number: int, start: int, end: int, buf: bytearray, view: memoryview,
+                 arrived: Future) -> None:
+            """Read part ``number`` into ``view``, hand it to the hashing thread through
+            ``arrived``, send it; the buffer goes back once both are done with it."""
+            holds = [2]
+
+            def release() -> None:
+                with lock:
+                    holds[0] -= 1
+                    last = holds[0] == 0
+                if last:
+                    self._give(buf)
+
             try:
                 self._check()
-                if not self.pace_reads:
-                    self.limiter.acquire(len(data))
-                part = with_retries(lambda: multipart.upload_part(self.dst, rel, upload_id,
-                                                                  number, data),
-                                    what=rel, sleep=self._backoff)
-                self.journal.part_done(rel, number, part.etag, part.size, digest)
-                with lock:
-                    parts[number] = part
-                    result.sent += len(data)
-                    result.parts_sent += 1
-                self._progress(len(data))
-            finally:
-                self._give(buf)
-
-        try:
-            for number, start in enumerate(range(0, size, part_size), 1):
-                self._check()
-                end = min(size, start + part_size)
-                buf, view = self._take(end - start)
-                try:
-                    if self.pace_reads:
-                        self.limiter.acquire(end - start)
-                    if view is not None:
-                        got = with_retries(lambda: self.src.read_into(rel, start, view),
-                                           what=rel, sleep=self._backoff)
-                        data = view[:got]
-                    else:
-                        data = with_retries(lambda: self.src.read_range(rel, start, end),
-                                            what=rel, sleep=self._backoff)
-                except BaseException:
-                    self._give(buf)
-                    raise
-                if len(data) != end - start:
-                    self._give(buf)
+                if self.pace_reads:
+                    self.limiter.acquire(end - start)
+                got = with_retries(lambda: self.src.read_into(rel, start, view),
+                                   what=rel, sleep=self._backoff)
+                if got != end - start:
                     raise Finding(self.src.display(rel), f"shorter than its manifest size "
-                                  f"({start + len(data)} of {size} bytes)", code="SIZE_MISMATCH")
-                h.update(data)
+                                  f"({start + got} of {size} bytes)", code="SIZE_MISMATCH")
+            except BaseException as e:
+                arrived.set_exception(e)
+                self._give(buf)
+                raise
+            arrived.set_result((view, release))
+            try:
                 ph = new_hasher(self.algo)
-                ph.update(data)
+                ph.update(view)
                 part_digest = ph.hexdigest()
                 old = rec.parts.get(number)
                 if number in have and old is not None:
-                    self._give(buf)
                     if old.digest != part_digest:  # servers may refuse a part sent twice
-                        multipart.abort_upload(self.dst, rel, upload_id)
-                        self.journal.forget(rel)
+                        changed.set()
                         raise Finding(self.src.display(rel), "changed since the interrupted "
                                       f"run (part {number} differs); rerun to send it afresh",
                                       code="HASH_MISMATCH")
-                    parts[number] = have[number]
-                    result.parts_resumed += 1
-                    self._progress(len(data))
-                    continue
-                futures.append(self.pool.submit(send, number, data, part_digest, buf))
-                futures = [f for f in futures if not f.done() or f.exception() is not None]
-                for f in futures:
+                    with lock:
+                        parts[number] = have[number]
+                        result.parts_resumed += 1
+                    self._progress(end - start)
+                    return
+                self._check()
+                if not self.pace_reads:
+                    self.limiter.acquire(end - start)
+                part = with_retries(lambda: multipart.upload_part(self.dst, rel, upload_id,
+                                                                  number, view),
+                                    what=rel, sleep=self._backoff)
+                self.journal.part_done(rel, number, part.etag, part.size, part_digest)
+                with lock:
+                    parts[number] = part
+                    result.sent += end - start
+                    result.parts_sent += 1
+                self._progress(end - start)
+            finally:
+                release()
+
+        h = new_hasher(self.algo)
+        spans = [(number, start, min(size, start + part_size))
+                 for number, start in enumerate(range(0, size, part_size), 1)]
+        arrivals: dict[int, Future] = {}
+        jobs: list[Future] = []
+        hashed = 0  # parts of spans hashed so far, in order
+
+        def hash_next(block: bool) -> bool:
+            """Hash the next part in order if it has arrived (``block``: wait for it);
+            False when there is none submitted to wait for."""
+            nonlocal hashed
+            arrived = arrivals.get(spans[hashed][0]) if hashed < len(spans) else None
+            if arrived is None or not (block or arrived.done()):
+                return False
+            view, release = arrived.result()
+            try:
+                h.update(view)
+            finally:
+                release()
+            hashed += 1
+            return True
+
+        def hash_arrived(block: bool) -> None:
+            while hash_next(block):
+                pass
+
+        try:
+            for number, start, end in spans:
+                self._check()
+                for f in jobs:
                     if f.done() and f.exception() is not None:
                         raise f.exception()
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            for f in done:
-                if f.exception() is not None:
-                    raise f.exception()
-            wait(futures)
-            for f in futures:
+                jobs = [f for f in jobs if not f.done()]
+                hash_arrived(block=False)
+                buf, view = self._take(end - start, lambda: hash_next(block=True))
+                arrivals[number] = Future()
+                try:
+                    jobs.append(self.pool.submit(move, number, start, end, buf, view,
+                                                 arrivals[number]))
+                except BaseException:
+                    self._give(buf)
+                    raise
+            hash_arrived(block=True)
+            wait(jobs)
+            for f in jobs:
                 f.result()
         except BaseException:
             self.cancel.set()  # the other files stop too; the upload stays for a rerun
+            wait(jobs)
+            if changed.is_set():
+                multipart.abort_upload(self.dst, rel, upload_id)
+                self.journal.forget(rel)
             raise
         result.digest = h.hexdigest()
         if result.digest != want:
