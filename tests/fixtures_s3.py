@@ -55,6 +55,7 @@ def _clear_s3fs_cache():
         sys.modules["s3fs"].S3FileSystem.clear_instance_cache()
     if "ckptctl.storage.store" in sys.modules:  # one test's timeout never fails the next
         sys.modules["ckptctl.storage.store"].forget_dead_servers()
+        sys.modules["ckptctl.storage.store"].forget_filesystems()  # fresh clients per test
 
 
 @pytest.fixture(autouse=True)

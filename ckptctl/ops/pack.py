@@ -88,6 +88,9 @@ class PackResult:
     #: the source had no manifest and was left without one (read-only, or
     #: ``seal_source=False``): the manifest packed was computed here
     source_unsealed: bool = False
+    #: a packed base's content was read from this plain copy of it (same id, every byte
+    #: proven against its manifest first) instead of through the base's delta chain
+    base_read_from: str | None = None
 
     @property
     def rate(self) -> float:
@@ -315,20 +318,76 @@ def _source(src: str, options: dict | None, workers: int, *, seal_source: bool |
     return store, files, man, raw, sealed
 
 
-def _open_base(base: str, options: dict | None):
-    """(store, files, checkpoint, id, depth) of a sealed base (a pack works too)."""
+def _open_base(base: str, options: dict | None, *, plain_copy: str | None = None,
+               plain_options: dict | None = None, max_depth: int = MAX_DEPTH):
+    """(store, files, checkpoint, id, depth, read from) of a sealed base (a pack works
+    too). ``plain_copy``: where a plain copy of a packed base may be (the source's
+    sibling of the same name); when it holds the same checkpoint (same id) and its bytes
+    hash to its manifest, the base's content is read from there (``read from`` is its
+    URL, else None): a delta chain decodes level by level over the network, so reading
+    through it costs time that grows with its depth."""
     from ..formats.detect import locate, open_checkpoint
     from ..formats.pack import pack_view
 
     located = pack_view(locate(base, options), options)
     store, files, single = located
+    if isinstance(store, PackStore) and store.index.depth + 1 <= max_depth:
+        from .verify import base_unrestorable
+
+        why = base_unrestorable(store, options)  # one listing and two small reads a level
+        if why:
+            raise Finding(base, f"cannot pack against it: {why}", code="MISSING_BASE")
+    if isinstance(store, PackStore) and plain_copy and store.index.depth + 1 <= max_depth:
+        bid, depth = store.index.source_id, store.index.depth + 1
+        copy = _proven_copy(plain_copy, plain_options, bid)
+        if copy is not None:
+            return (*copy, bid, depth, plain_copy)
     man = None if single else Manifest.read(store, files)
     if man is None:
         raise UsageError(f"--base must be a sealed checkpoint folder (run `ckptctl seal "
                          f"{base}` first)", base)
     ck = open_checkpoint(base, options, read_step=False, located=located)
     depth = (store.index.depth + 1) if isinstance(store, PackStore) else 1
-    return store, files, ck, man.checkpoint_id, depth
+    return store, files, ck, man.checkpoint_id, depth, None
+
+
+def _sibling(src: str, base: str) -> str | None:
+    """Where the source's folder would hold a checkpoint of the base's name (a tier's
+    copy of it: ``hot/step-8`` for ``src`` ``hot/step-9`` and base ``cold/step-8``).
+
+    >>> _sibling("/nvme/run/step-9", "s3://b/cold/step-8"), _sibling("s3://h/step-9", "x/step-9")
+    ('/nvme/run/step-8', None)
+    """
+    folder, _, name = src.rstrip("/").rpartition("/")
+    base_name = base.rstrip("/").rpartition("/")[2]
+    if not base_name or base_name == name or base_name in (".", ".."):
+        return None
+    return f"{folder}/{base_name}" if folder else base_name
+
+
+def _proven_copy(url: str, options: dict | None, want_id: str):
+    """(store, files, checkpoint) of the plain sealed checkpoint at ``url`` if its id is
+    ``want_id`` and every file hashes to its manifest (a copy corrupted since it was
+    sealed must not become the base a pack's deltas are decoded against), else None."""
+    from ..formats.detect import locate, open_checkpoint
+    from ..formats.pack import is_pack
+    from ..storage.hashing import hash_file
+
+    try:
+        store, files, single = locate(url, options)
+        if single or is_pack(files) or MANIFEST not in files:
+            return None
+        man = Manifest.read(store, files)
+        if man is None or man.checkpoint_id != want_id:
+            return None
+        for rel, rec in man.files.items():
+            if files.get(rel) != rec.size or hash_file(store, rel, man.hash) != (rec.hash,
+                                                                                  rec.size):
+                return None
+        ck = open_checkpoint(url, options, read_step=False, located=(store, files, single))
+    except CkptError:
+        return None  # no usable copy: the base is read through its chain
+    return store, files, ck
 
 
 def _note_dependant(base: str, base_options: dict | None, dst: str,
@@ -399,12 +458,13 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
     store.cache_small_files(files)  # remote: one GET per small file (no effect locally)
     ck = open_checkpoint(src, storage_options, read_step=False, located=(store, files, None))
     base_map = base_store = None
-    base_info = full_reason = None
+    base_info = full_reason = base_read = None
     depth = 0
     if base is not None:
-        bstore, bfiles, bck, bid, bdepth = _open_base(base, base_storage_options
-                                                      if base_storage_options is not None
-                                                      else storage_options)
+        bstore, bfiles, bck, bid, bdepth, base_read = _open_base(
+            base, base_storage_options if base_storage_options is not None
+            else storage_options, plain_copy=_sibling(src, base), plain_options=storage_options,
+            max_depth=max_chain)
         if bdepth > max_chain:
             full_reason = (f"base chain would be {bdepth} deep, past --max-chain {max_chain}: "
                            "wrote a full pack")
@@ -496,7 +556,8 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
                       round(bytes_in / (bytes_out + len(pman.to_bytes())), 4),
                       dict(sorted(chunks.items())), len(names),
                       sum(1 for r in hashes if r != PACK_INDEX), time.monotonic() - t0,
-                      sealed, full_reason, tensors, based, unsealed)
+                      sealed, full_reason, tensors, based, unsealed,
+                      base_read if base_info else None)
 
 
 def _source_doc(raw: bytes) -> dict:

@@ -603,7 +603,8 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
                     source_manifest=raw if MANIFEST not in sfiles else None)
         result.bytes_sent = r.bytes_out
         result.pack = {"base": r.base, "base_url": base if r.base else None, "depth": r.depth,
-                       "ratio": r.ratio, "full_reason": r.full_reason}
+                       "ratio": r.ratio, "full_reason": r.full_reason,
+                       "base_read_from": r.base_read_from}
     else:
         r = do_unpack(src, dst, workers=workers, force=force, storage_options=src_options,
                       dst_storage_options=dst_options, on_bytes=on_bytes, on_total=on_total)
@@ -616,18 +617,24 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
 
 def _newest_beside(final: Store, dst: str, options: dict | None) -> str | None:
     """``--base auto``: the newest committed checkpoint in the folder that will hold
-    ``dst`` (a pack or not), or None (a full pack)."""
-    from .latest import latest
+    ``dst`` (a pack or not), or None (a full pack). Chosen from the listing (a commit
+    marker there, no writer's): the pack writer then opens it, refuses it unless it is
+    sealed, and walks a packed one's base chain (:func:`~ckptctl.ops.pack.pack`), so a hop
+    does not read every checkpoint of a pack tier through its chain."""
+    from .latest import committed_newest_first
+    from .ls import ls
 
     parent = dst.rstrip("/").rsplit("/", 1)[0] if "/" in dst.rstrip("/") else "."
     if not final.is_local and parent.endswith(":/"):
         return None  # a bucket root has no parent folder to look in
     try:
-        found = latest(parent, options)
+        rows = ls(parent, options, check="listing").checkpoints
     except CkptError:  # nothing there yet, or not a place that lists
         return None
-    url = getattr(found, "url", None)
-    return url if url and url.rstrip("/") != final.url.rstrip("/") else None
+    for row in committed_newest_first(rows):
+        if row.url.rstrip("/") != final.url.rstrip("/"):
+            return row.url
+    return None
 
 
 def _requests(store: Store) -> dict:

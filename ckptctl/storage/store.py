@@ -208,16 +208,47 @@ def _s3_budget(fs) -> float | None:
         return None
 
 
+#: S3 filesystems made in this process, by their settings: every store of one endpoint
+#: shares one client, its connections and its bulk client (a walk down a pack's base
+#: chain opened a new client, ~0.25 s, at every level)
+_filesystems: dict[str, object] = {}
+_filesystems_lock = threading.Lock()
+#: what else decides which credentials and endpoint an S3 client uses
+_S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE",
+           "AWS_DEFAULT_REGION", "AWS_REGION", "AWS_SHARED_CREDENTIALS_FILE",
+           "AWS_CONFIG_FILE")
+
+
+def forget_filesystems() -> None:
+    """Drop the shared S3 filesystems (tests: each starts with fresh clients)."""
+    with _filesystems_lock:
+        _filesystems.clear()
+
+
 def make_filesystem(protocol: str, options: dict | None = None):
     """An fsspec filesystem for ``protocol`` with ckptctl's defaults (S3: endpoint from
-    ``AWS_ENDPOINT_URL``, no listing cache)."""
-    import fsspec
-
+    ``AWS_ENDPOINT_URL``, no listing cache; one per endpoint, settings and credentials in
+    a process, shared by its threads)."""
     options = dict(options or {})
-    retries = None
     if protocol in ("s3", "s3a"):
         options = _s3_options(options)
-        protocol = "s3"
+        import json
+
+        key = json.dumps([options, [os.environ.get(v) for v in _S3_ENV], os.getpid()],
+                         sort_keys=True, default=repr)
+        with _filesystems_lock:
+            fs = _filesystems.get(key)
+            if fs is None:
+                fs = _filesystems[key] = _make_filesystem("s3", options)
+        return fs
+    return _make_filesystem(protocol, options)
+
+
+def _make_filesystem(protocol: str, options: dict):
+    import fsspec
+
+    retries = None
+    if protocol == "s3":
         # s3fs takes its retry count as an attribute only: passed to the constructor it
         # reaches aiobotocore's session, which refuses it (TypeError at the first request)
         retries = options.pop("retries")
@@ -239,6 +270,8 @@ def make_filesystem(protocol: str, options: dict | None = None):
 def open_store(url: str, storage_options: dict | None = None) -> "Store":
     """Open the place at ``url`` (a plain path, ``file://``, ``s3://bucket/prefix``, ...)."""
     protocol, path = split_url(url)
+    if protocol == "file" and not storage_options:
+        return Store(path, None, protocol, path)  # fsspec imported only if a call needs it
     fs = make_filesystem(protocol, storage_options)
     return Store(url.rstrip("/") if protocol != "file" else path, fs, protocol, path)
 
@@ -266,7 +299,7 @@ class Store:
 
     def __init__(self, url: str, fs, protocol: str, root: str):
         self.url = url
-        self.fs = fs
+        self._fs = fs
         self.protocol = protocol
         self.root = root.rstrip("/") if root != "/" else root
         self.stats = IOStats()
@@ -276,6 +309,15 @@ class Store:
         #: remote files' modification times from the last listing that showed them: ``ls``
         #: and ``gc`` date checkpoints without one HEAD request each
         self._mtimes: dict[str, float] = {}
+
+    @property
+    def fs(self):
+        """The fsspec filesystem (a local store makes its own on first use: listing,
+        stat and whole reads of local files go straight to the OS, so commands that only
+        read local metadata never import fsspec)."""
+        if self._fs is None:
+            self._fs = make_filesystem(self.protocol)
+        return self._fs
 
     def cache_small_files(self, sizes: dict[str, int], *, max_file: int = 16 << 20,
                           budget: int = 256 << 20) -> None:
@@ -319,7 +361,7 @@ class Store:
         """A store rooted at a sub-folder. ``listed``: names under this store -> the same
         files' names under the child, whose modification times this store's listing
         showed: the child knows them too (no HEAD each)."""
-        sub = Store(self.display(rel), self.fs, self.protocol, self.full(rel))
+        sub = Store(self.display(rel), self._fs, self.protocol, self.full(rel))
         if listed:
             with self._lock:
                 sub._mtimes.update({new: self._mtimes[old] for old, new in listed.items()
@@ -335,7 +377,7 @@ class Store:
         """
         root = posixpath.dirname(self.root.rstrip("/")) or "/"
         if self.is_local:
-            return Store(root, self.fs, self.protocol, root)
+            return Store(root, self._fs, self.protocol, root)
         url = self.url.rstrip("/")
         if url.count("/") <= 2:  # s3://bucket: nothing above it
             return self
@@ -613,7 +655,11 @@ class Store:
         # whole reads here are small files (metadata, manifests): one GET, not HEAD + GET
         kw = {"max_concurrency": 1} if self.is_s3 else {}
         with self._errors(rel):
-            data = self.fs.cat_file(self.full(rel), **kw)
+            if self.is_local:
+                with open(self.full(rel), "rb") as f:
+                    data = f.read()
+            else:
+                data = self.fs.cat_file(self.full(rel), **kw)
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes_read += len(data)
@@ -638,14 +684,20 @@ class Store:
 
     def size(self, rel: str) -> int:
         with self._errors(rel):
+            if self.is_local:
+                return os.stat(self.full(rel)).st_size
             return int(self.fs.size(self.full(rel)))
 
     def exists(self, rel: str = "") -> bool:
         with self._errors(rel):
+            if self.is_local:
+                return os.path.exists(self.full(rel))
             return bool(self.fs.exists(self.full(rel)))
 
     def isdir(self, rel: str = "") -> bool:
         with self._errors(rel):
+            if self.is_local:
+                return os.path.isdir(self.full(rel))
             return bool(self.fs.isdir(self.full(rel)))
 
     def list_files(self, rel: str = "", *, recursive: bool = True) -> dict[str, int]:
@@ -655,6 +707,8 @@ class Store:
             self.stats.lists += 1
             if recursive and self.is_s3:
                 found = self._list_s3(base)
+            elif recursive and self.is_local:
+                found = _walk_local(base)
             elif recursive:
                 found = self.fs.find(base, detail=True, withdirs=False)
             else:
@@ -710,6 +764,8 @@ class Store:
         if listed is not None:
             return listed
         with self._errors(rel):
+            if self.is_local:
+                return os.stat(self.full(rel)).st_mtime
             try:
                 ts = self.fs.modified(self.full(rel))
             except (NotImplementedError, KeyError, AttributeError):
@@ -922,6 +978,43 @@ class Store:
 
 #: Keys per S3 DeleteObjects request (the API's maximum).
 DELETE_BATCH = 1000
+
+
+def _walk_local(base: str) -> dict[str, dict]:
+    """Every file under the local folder ``base`` -> ``{"size"}``, as fsspec's local
+    ``find`` lists them: sub-folders descended, symbolic links not followed but listed
+    as files (sized as their target, 0 when it is gone), a folder that cannot be read
+    left out, an entry gone meanwhile skipped.
+
+    >>> import tempfile, pathlib
+    >>> d = tempfile.mkdtemp(); _ = pathlib.Path(d, "a").mkdir(), pathlib.Path(d, "a", "x").write_bytes(b"12")
+    >>> [(k[len(d):], v["size"]) for k, v in _walk_local(d).items()]
+    [('/a/x', 2)]
+    """
+    out: dict[str, dict] = {}
+    todo = [base]
+    while todo:
+        folder = todo.pop()
+        try:
+            it = os.scandir(folder)
+        except OSError:
+            continue
+        with it:
+            for e in it:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        todo.append(e.path)
+                        continue
+                    size = e.stat(follow_symlinks=False).st_size
+                    if e.is_symlink():
+                        try:
+                            size = e.stat(follow_symlinks=True).st_size
+                        except OSError:
+                            size = 0
+                except FileNotFoundError:
+                    continue
+                out[e.path] = {"size": size}
+    return out
 #: Local streamed reads use buffers of this size (measured faster than 8 MiB: the block
 #: stays in cache between the read and the hash).
 LOCAL_BLOCK = 1 << 20
@@ -1226,16 +1319,18 @@ def storage_error(shown: str, e: BaseException, *, remote: bool = False,
     if code in ("InternalError", "ServiceUnavailable", "HTTP 500", "HTTP 502", "HTTP 503",
                 "HTTP 504"):
         return bad(f"server error ({code})", transient=True)
+    # before the timeouts: urllib3's NewConnectionError (a refused connection) is a
+    # subclass of its ConnectTimeoutError
+    if names & {"ConnectionRefusedError"} or any(
+            getattr(x, "errno", None) == errno.ECONNREFUSED for x in chain):
+        return bad("remote unreachable (connection refused)", "REMOTE_UNREACHABLE",
+                   transient=True)
     if names & {"ReadTimeoutError", "ConnectTimeoutError", "TimeoutError", "FSTimeoutError",
                 "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError"}:
         if "ConnectTimeoutError" in names:
             return bad(f"remote unreachable (connect timed out{after})", "REMOTE_UNREACHABLE",
                        transient=True)
         return bad(f"timed out{after} (server not answering; see --timeout)", "REMOTE_TIMEOUT",
-                   transient=True)
-    if names & {"ConnectionRefusedError"} or any(
-            getattr(x, "errno", None) == errno.ECONNREFUSED for x in chain):
-        return bad("remote unreachable (connection refused)", "REMOTE_UNREACHABLE",
                    transient=True)
     if names & {"gaierror", "ClientConnectorDNSError"}:
         return bad("remote unreachable (host name not found)", "REMOTE_UNREACHABLE")
