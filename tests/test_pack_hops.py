@@ -60,3 +60,19 @@ def test_a_plain_copy_that_no_longer_matches_is_not_used(s3_bucket, tmp_path):
     out = tmp_path / "restored"
     unpack(s3_bucket.url("cold/step-3"), str(out), storage_options=s3_bucket.storage_options)
     assert _files(out) == _files(hot / "step-3")
+
+
+def test_a_newest_pack_whose_chain_is_broken_gets_a_full_pack_next(s3_bucket, tmp_path):
+    hot = tmp_path / "hot"
+    for step in (1, 2, 3):
+        _ckpt(hot / f"step-{step}", step)
+    _hop_requests(s3_bucket, hot, 1)
+    _hop_requests(s3_bucket, hot, 2)
+    fs = s3_bucket.fs()
+    fs.rm(s3_bucket.path("cold/step-1"), recursive=True)  # not by ckptctl: gc would refuse
+    _, got = _hop_requests(s3_bucket, hot, 3)
+    assert got["pack"]["base"] is None and got["pack"]["depth"] == 0
+    assert "was not usable as a base" in got["pack"]["full_reason"]
+    out = tmp_path / "restored"
+    unpack(s3_bucket.url("cold/step-3"), str(out), storage_options=s3_bucket.storage_options)
+    assert _files(out) == _files(hot / "step-3")

@@ -115,38 +115,9 @@ def _fail(as_json: bool, line: str, exit_code: int, code: str, message: str,
     sys.exit(exit_code)
 
 
-def _narrowed(args: list[str]):
-    """The app with only the verb on the line registered: typer builds a click command
-    for every registered verb, its parameters read from signatures and type hints, before
-    it runs one (60 ms of the ~160 ms a no-op command took). The whole app for the
-    top-level help, completion, or a line without a known verb (typer's own message).
-
-    >>> [c.callback.__name__ for c in _narrowed(["--timeout", "5", "ls", "x"]).registered_commands]
-    ['ls']
-    >>> _narrowed(["--help"]) is app, _narrowed(["lss"]) is app
-    (True, True)
-    """
-    import copy
-    import os
-
-    if any(k.startswith("_CKPTCTL_COMPLETE") for k in os.environ):
-        return app
-    i = 0
-    while i < len(args) and args[i].startswith("-"):
-        i += 2 if args[i] in ("--timeout", "--config") else 1
-    verb = args[i] if i < len(args) else None
-    found = [c for c in app.registered_commands
-             if (c.name or c.callback.__name__.replace("_", "-")) == verb]
-    if not found:
-        return app
-    narrowed = copy.copy(app)
-    narrowed.registered_commands = found
-    return narrowed
-
-
 def _run(args: list[str], *, as_json: bool = False, debug: bool = False) -> None:
     try:
-        rv = _narrowed(args)(args=args, prog_name="ckptctl", standalone_mode=False)
+        rv = app(args=args, prog_name="ckptctl", standalone_mode=False)
     except typer.Abort:
         _fail(as_json, "ckptctl: interrupted", EXIT_INTERRUPTED, "INTERRUPTED", "interrupted")
     except typer.TyperException as e:  # usage errors: bad flag, missing argument

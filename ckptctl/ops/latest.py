@@ -56,10 +56,8 @@ def committed_newest_first(rows: list[CheckpointRow]) -> list[CheckpointRow]:
 
 
 def latest(root: str, storage_options: dict | None = None, *,
-           verified: bool = False, check: str = "auto") -> LatestResult:
+           verified: bool = False) -> LatestResult:
     """The newest committed checkpoint under ``root`` (``url`` None when there is none).
-    ``check``: how :func:`~ckptctl.ops.ls.ls` classifies the others (``"listing"``: from
-    the listing, then only the newest few candidates are read; the answer is the same).
 
     >>> import pathlib, tempfile, numpy as np
     >>> from safetensors.numpy import save_file
@@ -73,7 +71,7 @@ def latest(root: str, storage_options: dict | None = None, *,
     >>> latest(tempfile.mkdtemp()).url is None
     True
     """
-    listing = ls(root, storage_options, check=check)
+    listing = ls(root, storage_options, check="auto")
     rows = listing.checkpoints
     rejected: list[dict] = []
     tried: set[str] = set()

@@ -121,7 +121,7 @@ def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
     return group(files)
 
 
-def _located(store, rel: str, group: dict[str, int]) -> tuple:
+def located_in(store, rel: str, group: dict[str, int]) -> tuple:
     """What :func:`~ckptctl.formats.detect.locate` would return for one candidate, cut
     from the root's listing: the checkpoint is classified without listing it again (and
     dated from the listing's modification times, no HEAD each)."""
@@ -146,17 +146,11 @@ def listing_state(files: dict[str, int], where: str) -> tuple[StateReport, bool]
     ('sealed', 'dcp', False)
     >>> listing_state({"__0_0.distcp": 5}, "r/s") is None
     True
-    >>> listing_state({"ckptctl.pack.json": 9, "data-00000.bin": 5, "ckptctl.manifest.json": 9},
-    ...               "r/s")[0].format
-    'pack'
     """
     fmt = detect_format(files)
     if WRITING_MARKER in files:  # verify stops there: the very words it would use
         return StateReport(INCOMPLETE, f"NOT_COMMITTED: {where}/{WRITING_MARKER}: a ckptctl "
                            "writer did not finish; rerun with --force", fmt, None), True
-    if is_pack(files) and MANIFEST in files:  # committed; its base chain is read to confirm
-        return StateReport(SEALED, "pack manifest present (from the listing: not read; "
-                           "`ckptctl verify` checks it and its base chain)", "pack", None), False
     if is_pack(files) or fmt not in ("dcp", "safetensors") \
             or any(is_torch_file(f) for f in files if "/" not in f):
         return None  # .bin next to safetensors: only reading tells what they are
@@ -272,7 +266,7 @@ class _Ctx:
     def _common(self, rel: str, group: dict[str, int]):
         store = self.store
         url = store.display(rel) if rel else store.url
-        located = _located(store, rel, group)
+        located = located_in(store, rel, group)
         marker = max(group, key=lambda k: (k.endswith((MANIFEST, ".metadata")), k))
         try:
             mtime = store.modified(marker)

@@ -584,7 +584,8 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
                           "ckptctl's; remove it first or choose another place",
                           code="ALREADY_EXISTS")
         force = True  # what a killed pack or unpack left: started afresh
-    if pack and base == "auto":
+    auto_base = pack and base == "auto"
+    if auto_base:
         base = _newest_beside(final, dst, dst_options)
         if base is not None and delete_source and _overlaps(open_store(base, dst_options),
                                                             sstore):
@@ -597,10 +598,21 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
         result.seconds = round(time.monotonic() - t0, 3)
         return result
     if pack:
-        r = do_pack(src, dst, base=base, level=level, workers=workers, force=force,
-                    storage_options=src_options, dst_storage_options=dst_options,
-                    base_storage_options=dst_options, on_bytes=on_bytes, on_total=on_total,
-                    source_manifest=raw if MANIFEST not in sfiles else None)
+        def pack_against(base_url):
+            return do_pack(src, dst, base=base_url, level=level, workers=workers, force=force,
+                           storage_options=src_options, dst_storage_options=dst_options,
+                           base_storage_options=dst_options, on_bytes=on_bytes,
+                           on_total=on_total,
+                           source_manifest=raw if MANIFEST not in sfiles else None)
+
+        try:
+            r = pack_against(base)
+        except Finding as e:  # the newest pack there cannot be restored: no delta on it
+            if not auto_base or e.code != "MISSING_BASE":
+                raise
+            r = pack_against(None)
+            r.full_reason = f"{base} was not usable as a base ({e.message}): wrote a full pack"
+            base = None
         result.bytes_sent = r.bytes_out
         result.pack = {"base": r.base, "base_url": base if r.base else None, "depth": r.depth,
                        "ratio": r.ratio, "full_reason": r.full_reason,
@@ -617,23 +629,44 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
 
 def _newest_beside(final: Store, dst: str, options: dict | None) -> str | None:
     """``--base auto``: the newest committed checkpoint in the folder that will hold
-    ``dst`` (a pack or not), or None (a full pack). Chosen from the listing (a commit
-    marker there, no writer's): the pack writer then opens it, refuses it unless it is
-    sealed, and walks a packed one's base chain (:func:`~ckptctl.ops.pack.pack`), so a hop
-    does not read every checkpoint of a pack tier through its chain."""
-    from .latest import committed_newest_first
-    from .ls import ls
+    ``dst`` (a pack or not), or None (a full pack). One listing names the candidates
+    (a manifest, no writer's marker), newest first by the step in the name, then the
+    commit time; only they are read, newest first, until one is committed
+    (:func:`~ckptctl.ops.state.checkpoint_state`). ``latest`` would read every
+    checkpoint there, and in a pack tier each through its base chain: a hop's cost
+    would grow with the tier."""
+    from ..formats.detect import group_checkpoints, step_from_name
+    from ..formats.pack import is_pack
+    from .ls import located_in
+    from .policy import Item, newest_first
+    from .state import checkpoint_state
 
     parent = dst.rstrip("/").rsplit("/", 1)[0] if "/" in dst.rstrip("/") else "."
     if not final.is_local and parent.endswith(":/"):
         return None  # a bucket root has no parent folder to look in
     try:
-        rows = ls(parent, options, check="listing").checkpoints
+        root = open_store(parent, options)
+        files = root.list_files()
     except CkptError:  # nothing there yet, or not a place that lists
         return None
-    for row in committed_newest_first(rows):
-        if row.url.rstrip("/") != final.url.rstrip("/"):
-            return row.url
+    items = []
+    for rel, group in group_checkpoints(files).items():
+        own = {k[len(rel) + 1:] for k in group} if rel else set(group)
+        url = root.display(rel)
+        if not rel or MANIFEST not in own or WRITING_MARKER in own \
+                or url.rstrip("/") == final.url.rstrip("/"):
+            continue
+        items.append(Item(rel, step_from_name(rel), root.modified(f"{rel}/{MANIFEST}"),
+                          "sealed"))
+    groups = group_checkpoints(files)
+    for item in newest_first(items):
+        url = root.display(item.name)
+        located = located_in(root, item.name, groups[item.name])
+        if is_pack(located[1]):  # committed (its manifest is there); the pack writer walks
+            return url  # its chain, and promote falls back to a full pack if it is broken
+        if Item(item.name, item.step, item.time,
+                checkpoint_state(url, options, located=located).state).committed:
+            return url
     return None
 
 
