@@ -649,8 +649,9 @@ def _newest_beside(final: Store, dst: str, options: dict | None) -> str | None:
         files = root.list_files()
     except CkptError:  # nothing there yet, or not a place that lists
         return None
+    groups = group_checkpoints(files)
     items = []
-    for rel, group in group_checkpoints(files).items():
+    for rel, group in groups.items():
         own = {k[len(rel) + 1:] for k in group} if rel else set(group)
         url = root.display(rel)
         if not rel or MANIFEST not in own or WRITING_MARKER in own \
@@ -658,7 +659,6 @@ def _newest_beside(final: Store, dst: str, options: dict | None) -> str | None:
             continue
         items.append(Item(rel, step_from_name(rel), root.modified(f"{rel}/{MANIFEST}"),
                           "sealed"))
-    groups = group_checkpoints(files)
     for item in newest_first(items):
         url = root.display(item.name)
         located = located_in(root, item.name, groups[item.name])
