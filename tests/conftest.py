@@ -4,11 +4,18 @@ in-process DCP checkpoint for the fast tests."""
 from __future__ import annotations
 
 import io
+import signal
 import sys
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
+
+# A test run started in the background (`cmd &` in a script, nohup) has SIGINT ignored, and
+# so would every CLI the tests start (an ignored signal stays ignored across exec): the
+# Ctrl-C tests would then see no interrupt at all. Give the children Python's default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 pytest_plugins = ["fixtures_torch", "fixtures_s3", "fixtures_thirdparty", "fixtures_deepspeed",
                   "fixtures_megatron"]

@@ -47,6 +47,7 @@ def fsdp_source(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow  # ~80 s: DeepSpeed's own resume on 3 torchrun ranks
 def test_fsdp2_dcp_resumes_in_deepspeed_at_another_world_size(fsdp_source, tmp_path, cli):
     """FSDP2 on 2 ranks -> universal -> DeepSpeed ZeRO-2 on 3 ranks."""
     dst = tmp_path / "uni" / "global_step3_universal"

@@ -83,7 +83,7 @@ def copy_part(src_url: str, dst_url: str, src_options: dict | None, dst_options:
     from ..storage.journal import Journal
     from ..storage.ratelimit import RateLimiter, parse_rate
     from ..storage.transfer import Transfer
-    from .commit import write_order
+    from .commit import is_format_marker, write_order
     from .promote import copy_files
 
     src, dst = open_store(src_url, src_options), open_store(dst_url, dst_options)
@@ -97,7 +97,10 @@ def copy_part(src_url: str, dst_url: str, src_options: dict | None, dst_options:
     t = Transfer(src, dst, journal=Journal(None, {"source": "node part"}), algo=man.hash,
                  limiter=RateLimiter(parse_rate(bwlimit)), workers=workers)
     try:
-        copy_files(t, write_order(todo, files), man, workers)  # .metadata after the data
+        order = write_order(todo, files)
+        markers = [rel for rel in order if is_format_marker(rel)]
+        for batch in ([rel for rel in order if rel not in markers], markers):
+            copy_files(t, batch, man, workers)  # .metadata once the data is durable
     finally:
         t.close()
     return hashes

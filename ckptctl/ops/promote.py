@@ -688,8 +688,10 @@ def copy_files(t: Transfer, names: list[str], man: Manifest, workers: int):
     next part) and is raised once they stopped."""
     from .output import run_jobs
 
-    return run_jobs(lambda rel: t.copy(rel, man.files[rel].size, man.files[rel].hash),
+    done = run_jobs(lambda rel: t.copy(rel, man.files[rel].size, man.files[rel].hash),
                     names, workers, t.cancel, name="ckptctl-file")
+    t.flush()  # small files a local destination staged: durable and under their names now
+    return done
 
 
 def _adopt_published(journal: Journal, present: dict[str, int], man: Manifest) -> None:

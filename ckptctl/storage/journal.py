@@ -1,9 +1,14 @@
 """The journal of a resumable transfer: what is already at the destination, durably.
 
-JSON lines appended and fsynced one event at a time (a header naming the source, then
-``file`` / ``upload`` / ``part`` events), so a process killed at any instant leaves a
-journal that says exactly what it finished; a torn last line is ignored. A rerun reads
-it back and skips finished files and finished parts of multipart uploads.
+JSON lines appended one event at a time (a header naming the source, then ``file`` /
+``upload`` / ``part`` events), so a process killed at any instant leaves a journal that
+says exactly what it finished; a torn last line is ignored. A rerun reads it back and
+skips finished files and finished parts of multipart uploads. Only the lines whose loss
+would cost more than a re-send are fsynced (the header, a started upload: without it the
+upload's parts would be left on the server, billed, with nobody to abort them); a lost
+``file`` or ``part`` line (a power loss, not a kill: the page cache outlives the process)
+only makes the rerun send that file or part again, and a file already whole at the
+destination is adopted by promote without any journal line.
 
 >>> import tempfile, os
 >>> p = os.path.join(tempfile.mkdtemp(), "j.jsonl")
@@ -54,14 +59,14 @@ def journal_path_for(url: str) -> str:
 
 
 class Journal:
-    """An append-only, fsynced record of finished work for one destination.
+    """An append-only record of finished work for one destination.
 
     ``header`` identifies the transfer (the source's manifest id); a journal on disk with
     another header belongs to another transfer and is started afresh. ``path=None`` keeps
-    the journal in memory only. ``durable=False``: events are written but not fsynced, for
-    a destination whose own bytes are not fsynced until each file is complete (a local
-    disk): a power loss can cost the journal only what it could cost the data, and the
-    data is proven by its hash before it is published.
+    the journal in memory only. ``durable=False``: no event is fsynced, for a destination
+    that is a local disk (a power loss can cost the journal only what it could cost the
+    data, and the data is proven by its hash before it is published); otherwise the
+    header and started uploads are (see the module docstring).
     """
 
     def __init__(self, path: str | None, header: dict, *, durable: bool = True):
@@ -79,7 +84,7 @@ class Journal:
         self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0),
                            0o600)
         if fresh:
-            self._append({"header": self.header})
+            self._append({"header": self.header}, sync=True)
 
     @property
     def resumed(self) -> bool:
@@ -114,13 +119,13 @@ class Journal:
                 self.uploads.pop(ev["rel"], None)
         return True
 
-    def _append(self, event: dict) -> None:
+    def _append(self, event: dict, *, sync: bool = False) -> None:
         if self._fd is None:
             return
         line = (json.dumps(event, separators=(",", ":")) + "\n").encode()
         with self._lock:
             os.write(self._fd, line)
-            if self.durable:
+            if sync and self.durable:
                 os.fsync(self._fd)
 
     def file_done(self, rel: str, digest: str, size: int) -> None:
@@ -133,7 +138,8 @@ class Journal:
     def upload_started(self, rel: str, upload_id: str, part_size: int) -> None:
         with self._lock:
             self.uploads[rel] = UploadRecord(upload_id, part_size)
-        self._append({"e": "upload", "rel": rel, "id": upload_id, "part_size": part_size})
+        self._append({"e": "upload", "rel": rel, "id": upload_id, "part_size": part_size},
+                     sync=True)
 
     def part_done(self, rel: str, number: int, etag: str, size: int, digest: str) -> None:
         with self._lock:

@@ -42,7 +42,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import NotFoundError, StorageError, UsageError
-from .store import Store, error_code, sync_dir
+from .store import Store, error_code, local_temp, sync_dir
 
 MIN_PART = 5 << 20
 MAX_PART = 5 << 30
@@ -574,7 +574,6 @@ def copy_object(src: Store, src_rel: str, dst: Store, dst_rel: str, *,
 
 def _local_copy(src: Store, src_rel: str, dst: Store, dst_rel: str) -> None:
     import shutil
-    import tempfile
 
     source, target = src.full(src_rel), dst.full(dst_rel)
     with src._errors(src_rel):
@@ -586,14 +585,9 @@ def _local_copy(src: Store, src_rel: str, dst: Store, dst_rel: str) -> None:
     tmp = None
     try:
         with dst._errors(dst_rel):
-            os.makedirs(folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(target)}.", suffix=".tmp",
-                                       dir=folder)
+            fd, tmp = local_temp(target)
             os.close(fd)
             shutil.copyfile(source, tmp)  # sendfile / copy_file_range in the kernel
-            umask = os.umask(0)
-            os.umask(umask)
-            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; publish like open() would
             fd = os.open(tmp, os.O_RDONLY)
             try:
                 os.fsync(fd)

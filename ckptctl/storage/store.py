@@ -808,11 +808,60 @@ class Store:
                                   "committed it)", code="ALREADY_EXISTS") from None
         self._count(writes=1, bytes_written=len(data))
 
+    def stage(self, rel: str, data: bytes | memoryview) -> str:
+        """Write a small file of a local store to a hidden temp file beside ``rel``, neither
+        durable nor under its name yet: :meth:`publish_staged` publishes many at once.
+        Returns the temp file's path.
+
+        >>> import tempfile
+        >>> s = open_store(tempfile.mkdtemp()); s.publish_staged({"a/x": s.stage("a/x", b"1")})
+        >>> s.read("a/x")
+        b'1'
+        """
+        if not self.is_local:
+            raise UsageError(f"{self.url}: staged writes are for local stores")
+        full = self.full(rel)
+        self._uncache(rel)
+        with self._errors(rel):
+            fd, tmp = local_temp(full)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        self._count(writes=1, bytes_written=len(data))
+        return tmp
+
+    def publish_staged(self, staged: dict[str, str]) -> None:
+        """Publish files :meth:`stage` wrote (``rel -> temp path``): make their bytes durable
+        in one flush of the file system (``syncfs``; an fsync of each where there is none),
+        then rename each into place and fsync each folder once. Two fsyncs a file cost
+        more than the copy itself for small files (1,000 files of 100 kB: 1.03 s against
+        0.32 s here), and a file still shows under its name only once its bytes are
+        durable."""
+        if not staged:
+            return
+        first = next(iter(staged))
+        with self._errors(first):
+            sync_files(list(staged.values()))
+        folders: dict[str, None] = {}
+        for rel, tmp in staged.items():
+            full = self.full(rel)
+            self._forget(rel)
+            with self._errors(rel):
+                os.replace(tmp, full)
+            folders.setdefault(os.path.dirname(full))
+        for folder in folders:
+            with self._errors(os.path.relpath(folder, self.root)):
+                sync_dir(folder)
+
     def _write_atomic_local(self, rel: str, full: str, data: bytes, exclusive: bool) -> None:
 
         folder = os.path.dirname(full)
         with self._errors(rel):
-            fd, tmp = _local_temp(full)
+            fd, tmp = local_temp(full)
             try:
                 with os.fdopen(fd, "wb") as f:
                     f.write(data)
@@ -875,7 +924,7 @@ class Store:
             self._forget(rel)
             folder = os.path.dirname(full)
             with self._errors(rel):
-                fd, tmp = _local_temp(full)
+                fd, tmp = local_temp(full)
             try:
                 with open(fd, "wb") as f:
                     each(f.write)
@@ -970,7 +1019,10 @@ class Store:
             self._forget(rel)
         with self._errors(rel):
             try:
-                self.fs.rm_file(self.full(rel))
+                if self.is_local:  # no fsspec import for a local command
+                    os.unlink(self.full(rel))
+                else:
+                    self.fs.rm_file(self.full(rel))
             except FileNotFoundError:
                 pass
         self._count(deletes=1)
@@ -1038,7 +1090,7 @@ def _give_buffer(buf: bytearray) -> None:
         free.append(buf)
 
 
-def _local_temp(full: str) -> tuple[int, str]:
+def local_temp(full: str) -> tuple[int, str]:
     """A hidden temp file beside ``full`` (its folder made if needed), with the permissions
     ``open()`` would give it (mkstemp makes 0600): what every atomic local write publishes
     by rename."""
@@ -1047,10 +1099,67 @@ def _local_temp(full: str) -> tuple[int, str]:
     folder = os.path.dirname(full)
     os.makedirs(folder, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(full)}.", suffix=".tmp", dir=folder)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.fchmod(fd, 0o666 & ~umask)
+    os.fchmod(fd, 0o666 & ~_umask())
     return fd, tmp
+
+
+_UMASK: list[int] = []
+_UMASK_LOCK = threading.Lock()
+
+
+def _umask() -> int:
+    """The process's umask, read once: reading it means setting it, and two threads
+    doing that at once can leave the process at 0 (files then made world-writable)."""
+    with _UMASK_LOCK:
+        if not _UMASK:
+            m = os.umask(0)
+            os.umask(m)
+            _UMASK.append(m)
+        return _UMASK[0]
+
+
+def sync_files(paths: Sequence[str]) -> None:
+    """Make the bytes of the local files ``paths`` durable: one ``syncfs`` of each file
+    system they are on (Linux), which writes them all back at once, else an fsync of each.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp(), "x"); _ = p.write_bytes(b"1"); sync_files([str(p)])
+    """
+    syncfs = _syncfs()
+    if syncfs is None:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return
+    done: set[int] = set()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            dev = os.fstat(fd).st_dev
+            if dev not in done:
+                if syncfs(fd) != 0:
+                    import ctypes
+
+                    n = ctypes.get_errno()
+                    raise OSError(n, os.strerror(n), p)
+                done.add(dev)
+        finally:
+            os.close(fd)
+
+
+def _syncfs():
+    """libc's ``syncfs`` (errors reported since Linux 5.8), or None."""
+    import ctypes
+
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).syncfs
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int]
+    return fn
 
 
 def sync_dir(folder: str) -> None:

@@ -29,6 +29,10 @@ from .retry import with_retries
 from .store import Store
 
 DEFAULT_PART_SIZE = 32 << 20
+#: Small files a local destination holds staged (written, not yet durable nor under their
+#: names) before they are published together: at most this many files or bytes.
+STAGE_FILES = 512
+STAGE_BYTES = 256 << 20
 
 
 class Cancelled(Exception):
@@ -83,10 +87,58 @@ class Transfer:
         # local to local: parts are copied in the kernel and the file is proven where it
         # landed (hashed from the page cache right behind the copies), never read in Python
         self.kernel = src.is_local and dst.is_local
+        # a local destination takes small files in batches (:meth:`flush`): written to temp
+        # files, made durable together, then renamed; the journal hears of them after that
+        self.batch = dst.is_local
+        self._staged: dict[str, tuple[str, str, int]] = {}  # rel -> (temp path, digest, size)
+        self._staged_bytes = 0
+        self._staged_lock = threading.Lock()
+        self._flush_lock = threading.Lock()
 
     def close(self) -> None:
+        """Stop the part workers; staged files not yet flushed are removed (a rerun sends
+        them again)."""
         self.cancel.set()
         self.pool.shutdown(wait=True, cancel_futures=True)
+        with self._staged_lock:
+            left, self._staged = self._staged, {}
+        for tmp, _, _ in left.values():
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+    def flush(self) -> None:
+        """Publish the small files staged so far (:meth:`Store.publish_staged`) and
+        journal them. :func:`~ckptctl.ops.promote.copy_files` calls it once its files are
+        copied; :meth:`copy` calls it every :data:`STAGE_FILES` files or
+        :data:`STAGE_BYTES` bytes, so a kill costs a rerun at most that much."""
+        with self._flush_lock:
+            with self._staged_lock:
+                batch, self._staged, self._staged_bytes = self._staged, {}, 0
+            if not batch:
+                return
+            try:
+                self.dst.publish_staged({rel: tmp for rel, (tmp, _, _) in batch.items()})
+            except BaseException:
+                for tmp, _, _ in batch.values():
+                    if os.path.exists(tmp):
+                        os.unlink(tmp)
+                raise
+            for rel, (_, digest, size) in batch.items():
+                self.journal.file_done(rel, digest, size)
+
+    def _stage(self, rel: str, data: memoryview, digest: str) -> None:
+        tmp = self.dst.stage(rel, data)
+        with self._staged_lock:
+            old = self._staged.pop(rel, None)
+            self._staged[rel] = (tmp, digest, len(data))
+            self._staged_bytes += len(data)
+            full = len(self._staged) >= STAGE_FILES or self._staged_bytes >= STAGE_BYTES
+        if old is not None and os.path.exists(old[0]):
+            os.unlink(old[0])
+        if full:
+            self.flush()
 
     def _take(self, n: int, hash_one: Callable[[], bool] | None = None
               ) -> tuple[bytearray, memoryview]:
@@ -161,11 +213,15 @@ class Transfer:
             self._check()
             if not self.pace_reads:
                 self.limiter.acquire(size)
-            with_retries(lambda: self.dst.write_atomic(rel, data), what=rel,
-                         sleep=self._backoff)
+            if self.batch:
+                self._stage(rel, data, digest)
+            else:
+                with_retries(lambda: self.dst.write_atomic(rel, data), what=rel,
+                             sleep=self._backoff)
         finally:
             self._give(buf)
-        self.journal.file_done(rel, digest, size)
+        if not self.batch:
+            self.journal.file_done(rel, digest, size)
         self._progress(size)
         return FileCopy(rel, size, digest, "put", sent=size)
 
