@@ -452,7 +452,16 @@ if __name__ == "__main__":
 
 
 def ckptctl_exe() -> str:
-    """The ckptctl of this venv (or on PATH)."""
+    """The ckptctl of this venv (or on PATH), its modules byte-compiled first: with
+    ``PYTHONDONTWRITEBYTECODE`` set (this machine's default) a module edited since its
+    ``.pyc`` was written is compiled again on every start (a no-op ``promote`` measured
+    0.21-0.29 s so, 0.16-0.18 s compiled; an installed package has its ``.pyc`` files made
+    at install)."""
+    import compileall
+
+    import ckptctl
+
+    compileall.compile_dir(os.path.dirname(ckptctl.__file__), quiet=1)
     cand = Path(sys.executable).parent / "ckptctl"
     if cand.exists():
         return str(cand)

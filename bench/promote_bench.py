@@ -429,8 +429,12 @@ class Bench:
 
     def fixed_costs(self) -> dict[str, Series]:
         """What ckptctl spends before the first byte: interpreter start and CLI
-        (``--version``), and ``promote --dry-run`` (imports, listings, manifest read)."""
+        (``--version``), ``promote --dry-run`` (imports, listings, manifest read), and a
+        ``promote`` whose destination already holds the checkpoint (nothing to send)."""
+        noop = self.promote_cmd(str(self.src), str(self.work / "noop" / "x"))
+        measure(noop)  # the first one copies; the timed ones find it committed
         cmds = {"ckptctl --version": ([self.ck, "--version"], None),
+                "promote local -> local, nothing to send": (noop, None),
                 "promote --dry-run local -> local": (
                     self.promote_cmd(str(self.src), str(self.work / "dry" / "x"), "--dry-run"),
                     None),
