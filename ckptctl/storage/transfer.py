@@ -35,6 +35,16 @@ STAGE_FILES = 512
 STAGE_BYTES = 256 << 20
 
 
+def _discard(temps) -> None:
+    """Remove staged temp files, best effort: cleanup must not hide the error that led
+    here (some may be renamed or gone already; the commit removes strays)."""
+    for tmp in temps:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+
+
 class Cancelled(Exception):
     """The transfer is being abandoned (Ctrl-C, another file failed)."""
 
@@ -102,11 +112,7 @@ class Transfer:
         self.pool.shutdown(wait=True, cancel_futures=True)
         with self._staged_lock:
             left, self._staged = self._staged, {}
-        for tmp, _, _ in left.values():
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
+        _discard(tmp for tmp, _, _ in left.values())
 
     def flush(self) -> None:
         """Publish the small files staged so far (:meth:`Store.publish_staged`) and
@@ -121,9 +127,7 @@ class Transfer:
             try:
                 self.dst.publish_staged({rel: tmp for rel, (tmp, _, _) in batch.items()})
             except BaseException:
-                for tmp, _, _ in batch.values():
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
+                _discard(tmp for tmp, _, _ in batch.values())
                 raise
             for rel, (_, digest, size) in batch.items():
                 self.journal.file_done(rel, digest, size)
@@ -135,8 +139,8 @@ class Transfer:
             self._staged[rel] = (tmp, digest, len(data))
             self._staged_bytes += len(data)
             full = len(self._staged) >= STAGE_FILES or self._staged_bytes >= STAGE_BYTES
-        if old is not None and os.path.exists(old[0]):
-            os.unlink(old[0])
+        if old is not None:
+            _discard([old[0]])
         if full:
             self.flush()
 
