@@ -409,7 +409,14 @@ def rank_main(rank, world, out, port):
         dcp.save(sd, storage_writer=HuggingFaceStorageWriter(out, save_distributed=True))
     if rank == 0:
         torch.save(full, out + ".full.pt")
+    dist.barrier()
     dist.destroy_process_group()
+    # gloo's C++ threads sometimes abort interpreter teardown ("terminate called without
+    # an active exception", SIGABRT) after all work is done: leave before it (as the
+    # fixtures in tests/fixtures do)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 if __name__ == "__main__":
     mp.spawn(rank_main, args=(2, sys.argv[1], int(sys.argv[2])), nprocs=2)

@@ -146,6 +146,34 @@ def test_incomplete_checkpoint_is_not_touched_until_complete(tmp_path):
     assert _names(str(hot)) == {"step-200": "sealed"}
 
 
+def test_a_hop_committed_just_before_a_kill_is_logged_by_the_next_watcher(tmp_path):
+    """SIGKILL between a hop's commit and its "promoted" event: the status still names
+    the hop in flight; the next watcher finds it committed and logs it, so the event log
+    explains the removal from hot that follows (the e2e kill test's rail check)."""
+    from ckptctl.ops.promote import promote
+
+    cfg = _config(tmp_path, hot_keep=1)
+    hot = tmp_path / "hot"
+    _step(hot, 100)
+    _step(hot, 200)
+    w = Watcher(load_config(str(cfg)), settle=0)
+    w.status["in_flight"] = {"name": "step-100", "src": "hot", "dst": "warm", "since": "x"}
+    w.save()
+    promote(str(hot / "step-100"), str(tmp_path / "warm" / "step-100"))  # then killed
+    w2 = Watcher(load_config(str(cfg)), settle=0)
+    r = w2.run_once()
+    assert r.drained and [h.name for h in r.promoted] == ["step-200"]
+    ev = [(e["event"], e["name"], e.get("action")) for e in _events(cfg)
+          if e["event"] in ("promoted", "removed")]
+    assert ev[0] == ("promoted", "step-100", "committed-before-restart"), ev
+    assert ("removed", "step-100", None) in ev
+    assert read_status(str(cfg))["in_flight"] is None
+    # logged once: a later pass (or watcher) does not log it again
+    w2.run_once()
+    assert Watcher(load_config(str(cfg)), settle=0).run_once().drained
+    assert [e.get("action") for e in _events(cfg)].count("committed-before-restart") == 1
+
+
 def test_settle_waits_for_an_unchanged_listing(tmp_path):
     cfg = _config(tmp_path)
     _step(tmp_path / "hot", 100)

@@ -347,6 +347,9 @@ class Watcher:
         self.status_path = os.path.join(self.dir, "status.json")
         self._lock_fd: int | None = None
         self.status = self._load()
+        #: the hop a watcher killed mid-way was doing (its status still names it): if it
+        #: committed before the kill, its "promoted" event was never written
+        self._interrupted = self.status.get("in_flight")
 
     # -- lock, status, events ----------------------------------------------------------
 
@@ -598,6 +601,7 @@ class Watcher:
             rows = listings[i]
             after = self._list(p, dst)
             if rows is not None and after is not None:
+                self._adopt_interrupted(src, dst, after)
                 todo = [n for n, r in rows.items() if r.state in COMMITTED
                         and (i > 0 or n in movable)
                         and not (n in after and after[n].state in COMMITTED)]
@@ -612,6 +616,19 @@ class Watcher:
                 if any(h.dst == dst.name for h in p.promoted):
                     after = self._list(p, dst)
             listings.append(after)
+
+    def _adopt_interrupted(self, src: Tier, dst: Tier, after: dict) -> None:
+        """Log the hop of a killed watcher that committed before it died (its event was
+        never written): a "promoted" event with action ``committed-before-restart``, so
+        the event log explains every later removal from ``src``."""
+        hop = self._interrupted
+        if not hop or (hop.get("src"), hop.get("dst")) != (src.name, dst.name):
+            return
+        self._interrupted = None
+        row = after.get(hop.get("name"))
+        if row is not None and row.state in COMMITTED:
+            self._event("promoted", name=row.name, src=src.name, dst=dst.name,
+                        action="committed-before-restart", bytes=row.bytes, pack=dst.pack)
 
     def _hop(self, p: WatchPass, src: Tier, dst: Tier, row, name: str) -> bool:
         """Promote one checkpoint; False when it failed in a way that stops this tier
