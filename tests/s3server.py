@@ -79,6 +79,7 @@ class _Proxy(ThreadingHTTPServer):
         self.lock = threading.Lock()
         self.conns: set[socket.socket] = set()
         self.fault = None  # called with each Request before it is relayed (S3Server.fault_on)
+        self.released = threading.Event()  # ends the wait of requests a "hold" fault keeps
 
     def process_request(self, request, client_address):
         with self.lock:
@@ -92,6 +93,7 @@ class _Proxy(ThreadingHTTPServer):
 
     def close(self) -> None:
         """Stop accepting, then cut the client connections still open (keep-alive)."""
+        self.released.set()
         self.shutdown()
         self.server_close()
         with self.lock:
@@ -121,8 +123,10 @@ class _ProxyHandler(BaseHTTPRequestHandler):
         with srv.lock:
             srv.log.append(req)
             fault = srv.fault
-        if fault is not None:
-            fault(req)
+        if fault is not None and fault(req) == "hold":
+            srv.released.wait()  # never relayed, never answered; then the connection is cut
+            self.close_connection = True
+            return
         up = http.client.HTTPConnection("127.0.0.1", srv.upstream_port, timeout=900)
         try:
             up.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
@@ -262,14 +266,22 @@ class S3Server:
 
     def fault_on(self, when, action: str) -> threading.Event:
         """Once a request for which ``when(Request)`` is true reaches the proxy, ``kill``
-        or ``freeze`` the server before relaying it (the request then fails or hangs).
-        Returns an event set when that happened. ``fault_on(None, "")`` clears it."""
+        or ``freeze`` the server before relaying it (the request then fails or hangs), or
+        ``hold`` it and every request after it (retries included): they never reach the
+        server and are never answered (a frozen server would still act on them once thawed,
+        a race with what a test looks at next).
+        Returns an event set when that happened. ``fault_on(None, "")`` clears it and cuts
+        the held request's connection."""
         fired = threading.Event()
 
-        def hook(req: Request) -> None:
+        def hook(req: Request) -> str | None:
+            if fired.is_set() and action == "hold":
+                return "hold"
             if fired.is_set() or not when(req):
-                return
+                return None
             fired.set()
+            if action == "hold":
+                return "hold"
             if action == "kill":
                 self.kill()  # this request's own connection is cut too
             elif action == "freeze":
@@ -279,6 +291,10 @@ class S3Server:
 
         with self._proxy.lock:
             self._proxy.fault = hook if when is not None else None
+            if when is None:
+                self._proxy.released.set()
+            else:
+                self._proxy.released.clear()
         return fired
 
     def stop(self) -> None:
