@@ -2,7 +2,7 @@
 
 The goal (issue): on a checkpoint at least 4x ``--max-memory``, ckptctl's peak RSS stays
 within ``--max-memory`` + 300 MB while ``dcp_to_torch``'s grows with the checkpoint, and its
-wall time is within 1.5x of ``cp -r`` of the same files (the physical limit for moving
+wall time is within 1.2x of ``cp -r`` of the same files (the physical limit for moving
 these bytes: read them all, write them all).
 
 What it does:
@@ -53,6 +53,7 @@ from ckptctl.ops.reshard import parse_size  # noqa: E402
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20
 RSS_SLACK_MB = 300  # the goal's "+ 300 MB", taken as MiB like ru_maxrss
+WALL_GOAL = 1.2  # issue 20: consolidate within 1.2x of cp -r cold
 
 
 def files_under(d: Path) -> list[Path]:
@@ -279,10 +280,10 @@ def main(argv=None) -> int:
                 s = r["cold"][name]
                 best = min(x.wall_s for x in s.runs)
                 rss_ok = s.peak_rss_mb <= limit
-                wall_ok = s.wall_s <= 1.5 * cp
+                wall_ok = s.wall_s <= WALL_GOAL * cp
                 goals.append([r["label"], f"{ratio_mem:.1f}x", name,
                               f"{s.peak_rss_mb:.0f} <= {limit:.0f}: {'yes' if rss_ok else 'NO'}",
-                              f"{s.wall_s / cp:.2f} (best {best / cp_best:.2f}) <= 1.5: "
+                              f"{s.wall_s / cp:.2f} (best {best / cp_best:.2f}) <= {WALL_GOAL}: "
                               f"{'yes' if wall_ok else 'NO'}"])
         torch_rss = [(r["label"], r["cold"]["torch dcp_to_torch"].peak_rss_mb) for r in results]
         ck_rss = [(r["label"], max(r["cold"][n].peak_rss_mb for n in
@@ -323,18 +324,21 @@ def main(argv=None) -> int:
                  "`peak RSS`: `ru_maxrss` (MiB) of the process tree's largest process, "
                  "file-backed mapped pages included (none of these tools maps its inputs), the "
                  "highest of the runs. `cp` (coreutils 9 on ext4) copies with "
-                 "`copy_file_range`: one in-kernel copy, no user-space buffer; the Python tools "
-                 "`read` into user memory and `write` back (two copies), and ckptctl also hashes "
-                 "(xxh3-128 for the manifest, CRC-32 for the torch zip).\n")
+                 "`copy_file_range`: one in-kernel copy, no user-space buffer. `ckptctl --to "
+                 "safetensors` does the same for every tensor stored as it goes out (FSDP's "
+                 "raw dim-0 shards, no cast) and hashes the output (xxh3-128, for the "
+                 "manifest) from the page cache on a second thread right behind the copies; "
+                 "`--to torch` and `dcp_to_torch` `read` into user memory and `write` back "
+                 "(two copies), ckptctl also hashing (xxh3-128, and CRC-32 for the zip).\n")
         o.append(table(HEADERS, rows))
         o.append("\nFixed costs on this machine (warm, one run each): " + "; ".join(
             f"`{k}` {v.wall_s:.2f} s, {v.peak_rss_mb:.0f} MiB" for k, v in fixed.items())
             + ". Both torch tools import torch; `ckptctl --to torch` does too (to pickle "
             "`data.pkl` and decode DCP's bytes entries), `--to safetensors` does not.")
         o.append(f"\n### Goals (cold runs; RSS limit `--max-memory` + {RSS_SLACK_MB} MiB = "
-                 f"{limit:.0f} MiB; wall within 1.5x `cp -r`)\n")
+                 f"{limit:.0f} MiB; wall within {WALL_GOAL}x `cp -r`, issue 20)\n")
         o.append(table(["size", "x max-memory", "tool", "peak RSS MiB within limit",
-                        "median wall / cp within 1.5x"], goals))
+                        f"median wall / cp within {WALL_GOAL}x"], goals))
         o.append("\nPeak RSS as the checkpoint grows: `dcp_to_torch` "
                  + " -> ".join(f"{m:.0f} MiB ({lab})" for lab, m in torch_rss)
                  + "; ckptctl " + " -> ".join(f"{m:.0f} MiB ({lab})" for lab, m in ck_rss) + ".")

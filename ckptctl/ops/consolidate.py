@@ -24,8 +24,8 @@ from ..model import DTYPES, Checkpoint, dtype_from_name
 from ..storage import HashingWriter, Store, open_store, split_url
 from .closure import classify, parse_parts
 from .commit import commit_written
-from .copier import (BlockStream, check_objects, copy_to_dcp, decode_object,
-                     dtype_converter, nest, stream_depth)
+from .copier import (BlockStream, SpanWriter, check_objects, copy_to_dcp, decode_object,
+                     dtype_converter, kernel_spans, nest, stream_depth)
 from .inspect import few_names
 from .output import OutputDir
 from .planner import consolidation_plan, dropped
@@ -245,6 +245,10 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
         return BlockStream(ck, [by_name[n] for n in names],
                            depth=stream_depth(max_memory, streams), convert_for=convert_for)
 
+    def spans_for(name: str):
+        """The tensor as local source byte runs to copy in the kernel, or None."""
+        return kernel_spans(ck, by_name[name], convert_for(by_name[name]))
+
     def out_dtype(name: str) -> str:
         d = ck.tensors[name].dtype
         return conv_to if conv_to and d.kind == "float" else d.name
@@ -280,7 +284,8 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     else:
         out = _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype,
                                  parse_size(max_shard_size), workers, on_bytes, force,
-                                 stem=output_stem(tensors), side=side, group=group)
+                                 stem=output_stem(tensors), side=side, group=group,
+                                 spans_for=spans_for)
     mid = out.manifest_id
     return ConsolidateResult(src, dst, to, sorted(out.hashes), len(tensors), len(objects),
                              sum(n for _, n in out.hashes.values()),
@@ -306,7 +311,8 @@ def _finish(od: OutputDir, ck: Checkpoint, hashes: dict, folder: bool) -> _Writt
 
 def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_shard,
                        workers, on_bytes, force, *, stem: str = "model",
-                       side: list[str] = (), group=None) -> _Written:
+                       side: list[str] = (), group=None,
+                       spans_for=lambda name: None) -> _Written:
     entries = []
     for n in tensors:
         d = DTYPES[out_dtype(n)]
@@ -331,11 +337,25 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_s
 
     def one(job):
         shard, fname = job
-        s = stream([by_out[e[0]] for e in shard], nstreams)
+        names = [by_out[e[0]] for e in shard]
+        # bytes stored as they go out (raw dim-0 shards, no cast) are copied in the kernel
+        spans = {n: spans_for(n) for n in names} if od.store.is_local else {}
+        s = stream([n for n in names if spans.get(n) is None], nstreams)
+
+        def items(out: str):
+            sp = spans.get(by_out[out])
+            return sp if sp is not None else s.blocks(by_out[out])
+
         with od.open(fname) as f:
-            w = HashingWriter(f, on_bytes=on_bytes)
-            write_file(w, shard, lambda out: s.blocks(by_out[out]), {"format": "pt"})
-        return fname, w.result()
+            w = (SpanWriter(f, ck.store, on_bytes=on_bytes) if any(spans.values())
+                 else HashingWriter(f, on_bytes=on_bytes))
+            try:
+                write_file(w, shard, items, {"format": "pt"})
+                result = w.result()
+            finally:
+                if isinstance(w, SpanWriter):
+                    w.close()
+        return fname, result
 
     def write() -> dict:
         hashes = dict(od.map(one, mine, nstreams))

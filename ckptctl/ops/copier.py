@@ -15,6 +15,7 @@ manifest last. consolidate's safetensors and torch.save writers use the same
 from __future__ import annotations
 
 import io
+import os
 import queue
 import threading
 from dataclasses import dataclass
@@ -22,11 +23,11 @@ from typing import Callable, Iterator, Mapping
 
 import numpy as np
 
-from ..errors import Finding, FormatError, ProblemCode, UnsafeInputError, shorten
+from ..errors import Finding, FormatError, ProblemCode, StorageError, UnsafeInputError, shorten
 from ..formats.dcp_write import DcpWriter
-from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows, read_rows_into
+from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows, read_rows_into, row_major_span
 from ..model import Checkpoint
-from ..storage import open_store
+from ..storage import HashBehind, Store, open_store
 from .commit import commit_written
 from .output import OutputDir
 from .planner import Plan, TargetChunk
@@ -176,6 +177,135 @@ class BlockStream:
             block = self._pending[1]
             self._pending = None
             yield block
+
+
+@dataclass(frozen=True)
+class Span:
+    """Bytes ``[offset, offset + length)`` of a source file, to be copied as stored."""
+
+    file: str
+    offset: int
+    length: int
+
+    def __len__(self) -> int:  # a writer counts a span like the block it stands for
+        return self.length
+
+
+def kernel_spans(ck: Checkpoint, tc: TargetChunk,
+                 convert: Converter | None = None) -> list[Span] | None:
+    """The target chunk's row-major bytes as runs of its local source files, in order,
+    when they can be copied exactly as stored: no dtype conversion, and every piece whole
+    rows of a raw (or uncompressed-zip, row-major) source chunk, the pieces tiling dim 0
+    (FSDP's and ZeRO's dim-0 shards). None otherwise: the block path then reads them.
+
+    >>> kernel_spans(ck, plan.chunks[0])      # doctest: +SKIP
+    [Span(file='__0_0.distcp', offset=0, length=4096), Span(file='__1_0.distcp', ...)]
+    """
+    if convert is not None or not ck.store.is_local or tc.dtype.bits % 8 or not tc.pieces:
+        return None
+    t = ck.tensors[tc.name]
+    if t.dtype != tc.dtype:
+        return None
+    if not tc.sizes:  # 0-dim: one piece, the whole value
+        (p,) = tc.pieces if len(tc.pieces) == 1 else (None,)
+        span = row_major_span(ck, t, p.src) if p is not None else None
+        if span is None or span[1] != tc.nbytes:
+            return None
+        return [Span(p.src.extent.file, span[0], span[1])]
+    inner = 1
+    for n in tc.sizes[1:]:
+        inner *= n
+    row = tc.dtype.nbytes(inner)
+    spans: list[Span] = []
+    at = 0
+    for p in sorted(tc.pieces, key=lambda p: p.dst_offsets[0]):
+        if p.dst_offsets[0] != at or p.sizes[1:] != tc.sizes[1:] or p.src.sizes[1:] != tc.sizes[1:]:
+            return None
+        span = row_major_span(ck, t, p.src)
+        if span is None or span[1] != tc.dtype.nbytes(p.src.numel):
+            return None  # the block path names what is wrong with it
+        s = Span(p.src.extent.file, span[0] + p.src_offsets[0] * row, p.sizes[0] * row)
+        last = spans[-1] if spans else None
+        if last and last.file == s.file and last.offset + last.length == s.offset:
+            spans[-1] = Span(s.file, last.offset, last.length + s.length)
+        else:
+            spans.append(s)
+        at += p.sizes[0]
+    return spans if at == tc.sizes[0] else None
+
+
+#: Largest run copied in one call: the hash behind the copies follows at this distance.
+COPY_STEP = 64 << 20
+
+
+class SpanWriter:
+    """A binary writer for a local output file (an :class:`~.output.OutputDir` file)
+    that takes blocks of bytes and :class:`Span` s of local source files alike: blocks
+    are written, spans copied in the kernel (no pass through Python, as ``cp`` does), and
+    the whole file is hashed from the page cache right behind (:class:`HashBehind`), so
+    :meth:`result` is the hash of what landed. Used as ``HashingWriter`` is, by a format
+    writer that just calls ``write``.
+
+    >>> w = SpanWriter(f, ck.store); w.write(header); w.write(Span("__0_0.distcp", 0, 64))  # doctest: +SKIP
+    >>> w.result()                                                                        # doctest: +SKIP
+    ('5f1c...', 80)
+    """
+
+    def __init__(self, out, src: Store, algo: str = "xxh3-128",
+                 on_bytes: Callable[[int], None] | None = None):
+        self.out, self.src, self.on_bytes = out, src, on_bytes
+        self.pos = 0
+        self._fds: dict[str, int] = {}
+        self._hash = HashBehind(out.path, algo)
+
+    def write(self, b) -> int:
+        if isinstance(b, Span):
+            self._copy(b)
+        else:
+            n = memoryview(b).nbytes
+            self.out.write_at(b, self.pos)
+            self._advance(n)
+        return len(b)
+
+    def _copy(self, s: Span) -> None:
+        fd = self._fds.get(s.file)
+        if fd is None:
+            with self.src._errors(s.file):
+                fd = self._fds[s.file] = os.open(self.src.full(s.file), os.O_RDONLY)
+        for o in range(0, s.length, COPY_STEP):
+            n = min(COPY_STEP, s.length - o)
+            if self.out.copy_in(fd, s.offset + o, n, self.pos) != n:
+                raise FormatError(self.src.display(s.file), f"file is truncated (shorter "
+                                  f"than {s.offset + s.length} bytes)", code="SIZE_MISMATCH")
+            self._advance(n)
+
+    def _advance(self, n: int) -> None:
+        self.pos += n
+        self._hash.advance(n)
+        if self.on_bytes:
+            self.on_bytes(n)
+
+    def result(self) -> tuple[str, int]:
+        """(hex digest, size) of the file as written; closes the sources."""
+        try:
+            digest, n = self._hash.result()
+        except EOFError as e:
+            raise FormatError(self.out.rel, f"read back: {e}", code="SIZE_MISMATCH") from None
+        except OSError as e:
+            raise StorageError(self.out.rel, f"cannot read back what was written "
+                               f"({e.strerror or type(e).__name__})") from None
+        finally:
+            self.close()
+        if n != self.pos:
+            raise FormatError(self.out.rel, f"hashed {n} of {self.pos} bytes written",
+                              code="SIZE_MISMATCH")
+        return digest, n
+
+    def close(self) -> None:
+        self._hash.close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def prefetch(it: Iterator, depth: int = 1) -> Iterator:

@@ -38,6 +38,7 @@ from ..errors import CkptError, StorageError, UsageError
 from ..formats.dcp import METADATA
 from ..formats.manifest import MANIFEST, WRITING_MARKER
 from ..storage import Store
+from ..storage.multipart import kernel_copy
 from ..storage.store import sync_dir
 
 #: Files whose presence makes a folder look committed: removed first by ``--force``.
@@ -105,6 +106,31 @@ class _OutFile:
             raise Cancelled(self.rel)
         self._io(self.f.write, b)
         return len(b)
+
+    @property
+    def path(self) -> str | None:
+        """The local file being written (its temporary name until closed); None on S3."""
+        store = self.out.store
+        return store.full(self.tmp or self.rel) if store.is_local else None
+
+    def write_at(self, b, at: int) -> None:
+        """Write ``b`` at byte ``at`` of a local file (no buffering, no file position):
+        for writers that also copy ranges in with :meth:`copy_in`."""
+        if self.out.cancelled.is_set():
+            raise Cancelled(self.rel)
+        fd = self.f.fileno()
+        view = memoryview(b).cast("B")
+        done = 0
+        while done < len(view):
+            done += self._io(os.pwrite, fd, view[done:], at + done)
+
+    def copy_in(self, src_fd: int, offset: int, n: int, at: int) -> int:
+        """Copy ``n`` bytes at ``offset`` of the open file ``src_fd`` to byte ``at`` of
+        this local file, in the kernel (:func:`~ckptctl.storage.multipart.kernel_copy`);
+        the bytes copied (fewer: the source ended)."""
+        if self.out.cancelled.is_set():
+            raise Cancelled(self.rel)
+        return self._io(kernel_copy, src_fd, self.f.fileno(), offset, n, at)
 
     def close(self) -> None:
         store = self.out.store

@@ -13,6 +13,8 @@ files hash in parallel from the caller's pool); remote files stream through fssp
 from __future__ import annotations
 
 import hashlib
+import os
+import threading
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import UsageError
@@ -86,3 +88,75 @@ class HashingWriter:
 
     def result(self) -> tuple[str, int]:
         return self.h.hexdigest(), self.pos
+
+
+class HashBehind:
+    """Hash a local file on a thread of its own while it is being written, reading from
+    the page cache right behind the writer: the writer calls :meth:`advance` with each
+    run of bytes it finished (in file order), :meth:`result` waits for the hash of all
+    of them. For bytes the writer never holds itself (copied in the kernel); xxhash and
+    ``preadv`` release the GIL, so the hash runs beside the copies.
+
+    >>> import tempfile
+    >>> f = tempfile.NamedTemporaryFile(); _ = f.write(b"abc"); f.flush()
+    >>> hb = HashBehind(f.name, "sha256"); hb.advance(3); hb.result()[0][:16]
+    'ba7816bf8f01cfea'
+    """
+
+    def __init__(self, path: str, algo: str = "xxh3-128"):
+        self.h = new_hasher(algo)
+        self._fd = os.open(path, os.O_RDONLY)
+        self._cv = threading.Condition()
+        self._mark = 0  # bytes the writer finished
+        self._pos = 0  # bytes hashed
+        self._closing = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name="ckptctl-hash")
+        self._thread.start()
+
+    def advance(self, n: int) -> None:
+        """``n`` more bytes are written (after those advanced before)."""
+        with self._cv:
+            self._mark += n
+            self._cv.notify()
+
+    def _run(self) -> None:
+        buf = bytearray(BLOCK)
+        view = memoryview(buf)
+        try:
+            while True:
+                with self._cv:
+                    while self._mark == self._pos and not self._closing:
+                        self._cv.wait()
+                    mark = self._mark
+                    if mark == self._pos:
+                        return
+                while self._pos < mark:
+                    got = os.preadv(self._fd, [view[:min(BLOCK, mark - self._pos)]], self._pos)
+                    if got == 0:
+                        raise EOFError(f"the file ends at {self._pos} of {mark} bytes written")
+                    self.h.update(view[:got])
+                    self._pos += got
+        except BaseException as e:  # noqa: BLE001 - raised in the caller by result()
+            self._error = e
+
+    def result(self) -> tuple[str, int]:
+        """(hex digest, bytes hashed) once everything advanced is hashed; raises what
+        the hashing thread met (an ``OSError``, ``EOFError`` for a file shorter than
+        advanced)."""
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return self.h.hexdigest(), self._pos
+
+    def close(self) -> None:
+        """Stop once what was advanced is hashed (or the thread failed), and release
+        the file; :meth:`result` calls it, an aborting writer calls it alone."""
+        with self._cv:
+            self._closing = True
+            self._cv.notify()
+        self._thread.join()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
