@@ -171,7 +171,8 @@ def tools(ck: str, src: Path, out: Path, max_memory: str) -> dict[str, tuple[lis
         "ckptctl --to torch": ([ck, "consolidate", str(src), str(out / "ckptctl.pt"), "--to",
                                 "torch", "--max-memory", max_memory], out / "ckptctl.pt"),
         "ckptctl --to safetensors": ([ck, "consolidate", str(src), str(out / "st"), "--to",
-                                      "safetensors", "--max-memory", max_memory], out / "st"),
+                                      "safetensors", "--max-memory", max_memory,
+                                      "--drop", "optim.param_groups.*"], out / "st"),
     }
 
 
