@@ -172,7 +172,8 @@ def tools(ck: str, src: Path, out: Path, max_memory: str) -> dict[str, tuple[lis
                                 "torch", "--max-memory", max_memory], out / "ckptctl.pt"),
         "ckptctl --to safetensors": ([ck, "consolidate", str(src), str(out / "st"), "--to",
                                       "safetensors", "--max-memory", max_memory,
-                                      "--drop", "optim.param_groups.*"], out / "st"),
+                                      "--drop", "optim.param_groups.*", "--drop", "step"],
+                                     out / "st"),
     }
 
 
