@@ -34,12 +34,12 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Callable, Iterable
 
-from ..errors import CkptError, StorageError, UsageError
+from ..errors import CkptError, UsageError
 from ..formats.dcp import METADATA
 from ..formats.manifest import MANIFEST, WRITING_MARKER
 from ..storage import Store
 from ..storage.multipart import kernel_copy
-from ..storage.store import sync_dir
+from ..storage.store import storage_error, sync_dir
 
 #: Files whose presence makes a folder look committed: removed first by ``--force``.
 _COMMIT_FILES = (MANIFEST, METADATA, "model.safetensors.index.json")
@@ -97,9 +97,8 @@ class _OutFile:
             return fn(*args)
         except CkptError:
             raise
-        except OSError as e:
-            raise StorageError(self.out.store.display(self.rel),
-                               f"write failed: {e.strerror or type(e).__name__}") from None
+        except OSError as e:  # in words: "no space left on device", as every copier says
+            raise storage_error(self.out.store.display(self.rel), e) from None
 
     def write(self, b) -> int:
         if self.out.cancelled.is_set():
