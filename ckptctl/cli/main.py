@@ -4,6 +4,7 @@ the app, never this module: no import circle, and no mutable global state (``--d
 and ``--json`` are read from the command line here and passed down)."""
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from typing import NoReturn
@@ -72,9 +73,17 @@ def _keep_freed_memory() -> None:
         pass
 
 
+def _no_blas_threads() -> None:
+    """ckptctl multiplies no matrices, but numpy's OpenBLAS starts a thread per core when
+    numpy is imported, and they spin: 4% of a consolidate's CPU samples (perf) were in
+    ``blas_thread_server``. One thread, unless the user set it."""
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; exit with DESIGN.md's codes, never a traceback unless ``--debug``."""
     _keep_freed_memory()
+    _no_blas_threads()
     # typer vendors click; its exceptions derive from typer.TyperException
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args

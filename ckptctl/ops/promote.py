@@ -48,7 +48,8 @@ from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest, is_
 from ..storage import open_store
 from ..storage.journal import Journal, journal_path_for
 from ..storage.ratelimit import RateLimiter, parse_rate
-from ..storage.store import Store, sync_dir
+from ..storage.localio import sync_dir
+from ..storage.store import Store
 from ..storage.transfer import DEFAULT_PART_SIZE, Transfer
 from .commit import commit, is_format_marker, write_order
 

@@ -18,6 +18,7 @@ import threading
 from typing import TYPE_CHECKING, Callable
 
 from ..errors import UsageError
+from .localio import start_writeback
 
 if TYPE_CHECKING:  # store.py imports this module: only the type, never at run time
     from .store import Store
@@ -95,7 +96,8 @@ class HashBehind:
     the page cache right behind the writer: the writer calls :meth:`advance` with each
     run of bytes it finished (in file order), :meth:`result` waits for the hash of all
     of them. For bytes the writer never holds itself (copied in the kernel); xxhash and
-    ``preadv`` release the GIL, so the hash runs beside the copies.
+    ``preadv`` release the GIL, so the hash runs beside the copies. Each run, once hashed,
+    starts its write-back to the disk (:func:`~.localio.start_writeback`).
 
     >>> import tempfile
     >>> f = tempfile.NamedTemporaryFile(); _ = f.write(b"abc"); f.flush()
@@ -132,12 +134,14 @@ class HashBehind:
                     mark = self._mark
                     if mark == self._pos:
                         return
+                start = self._pos
                 while self._pos < mark:
                     got = os.preadv(self._fd, [view[:min(BLOCK, mark - self._pos)]], self._pos)
                     if got == 0:
                         raise EOFError(f"the file ends at {self._pos} of {mark} bytes written")
                     self.h.update(view[:got])
                     self._pos += got
+                start_writeback(self._fd, start, mark - start)  # the closing fsync waits less
         except BaseException as e:  # noqa: BLE001 - raised in the caller by result()
             self._error = e
 

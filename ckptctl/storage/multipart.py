@@ -33,7 +33,6 @@ implements the same contract, so ``promote`` has one code path:
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -42,7 +41,8 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import NotFoundError, StorageError, UsageError
-from .store import Store, error_code, local_temp, sync_dir
+from .localio import kernel_copy, sync_dir
+from .store import Store, error_code, local_temp
 
 MIN_PART = 5 << 20
 MAX_PART = 5 << 30
@@ -188,42 +188,6 @@ def _open_upload(store: Store, rel: str, path: str) -> int:
     except FileNotFoundError:
         raise NotFoundError(store.display(rel), "no such upload (completed or aborted)") \
             from None
-
-
-def kernel_copy(src_fd: int, dst_fd: int, offset: int, n: int, dst_offset: int | None = None) -> int:
-    """Copy ``n`` bytes at ``offset`` of ``src_fd`` to ``dst_offset`` (default the same)
-    of ``dst_fd`` in the kernel (``copy_file_range``; ``pread``/``pwrite`` where the
-    filesystems cannot); returns the bytes copied (fewer: the source ended).
-
-    >>> import os, tempfile
-    >>> a, b = tempfile.TemporaryFile(), tempfile.TemporaryFile()
-    >>> _ = a.write(b"abcdef"); a.flush()
-    >>> kernel_copy(a.fileno(), b.fileno(), 2, 10), os.pread(b.fileno(), 9, 0)
-    (4, b'\\x00\\x00cdef')
-    """
-    dst_offset = offset if dst_offset is None else dst_offset
-    done = 0
-    use_kernel = hasattr(os, "copy_file_range")
-    while done < n:
-        if use_kernel:
-            try:
-                got = os.copy_file_range(src_fd, dst_fd, min(n - done, 1 << 30),
-                                         offset + done, dst_offset + done)
-            except OSError as e:
-                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-                use_kernel = False
-                continue
-        else:
-            data = os.pread(src_fd, min(n - done, 8 << 20), offset + done)
-            got = len(data)
-            view = memoryview(data)
-            while view:
-                view = view[os.pwrite(dst_fd, view, dst_offset + done + got - len(view)):]
-        if got == 0:
-            break
-        done += got
-    return done
 
 
 # ------------------------------------------------------------------------------ the calls

@@ -23,6 +23,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 
 from ..errors import (CkptError, NotFoundError, StorageError, UnsafeInputError, UsageError,
                       shorten)
+from .localio import sync_dir, sync_files
 
 #: Descriptors a local store keeps open for ranged reads before it recycles them.
 MAX_OPEN_FILES = 256
@@ -1116,66 +1117,6 @@ def _umask() -> int:
             os.umask(m)
             _UMASK.append(m)
         return _UMASK[0]
-
-
-def sync_files(paths: Sequence[str]) -> None:
-    """Make the bytes of the local files ``paths`` durable: one ``syncfs`` of each file
-    system they are on (Linux), which writes them all back at once, else an fsync of each.
-
-    >>> import tempfile, pathlib
-    >>> p = pathlib.Path(tempfile.mkdtemp(), "x"); _ = p.write_bytes(b"1"); sync_files([str(p)])
-    """
-    syncfs = _syncfs()
-    if syncfs is None:
-        for p in paths:
-            fd = os.open(p, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        return
-    done: set[int] = set()
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            dev = os.fstat(fd).st_dev
-            if dev not in done:
-                if syncfs(fd) != 0:
-                    import ctypes
-
-                    n = ctypes.get_errno()
-                    raise OSError(n, os.strerror(n), p)
-                done.add(dev)
-        finally:
-            os.close(fd)
-
-
-def _syncfs():
-    """libc's ``syncfs`` (errors reported since Linux 5.8), or None."""
-    import ctypes
-
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).syncfs
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int]
-    return fn
-
-
-def sync_dir(folder: str) -> None:
-    """Make a folder's entries (files created, renamed or removed in it) durable. A file
-    system that cannot fsync a folder (EINVAL) has nothing more to offer: not an error.
-
-    >>> import tempfile; sync_dir(tempfile.mkdtemp())
-    """
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno != errno.EINVAL:
-            raise
-    finally:
-        os.close(fd)
 
 
 def error_code(e: BaseException) -> str | None:

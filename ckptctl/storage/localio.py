@@ -1,0 +1,146 @@
+"""Local files at the speed of the disk: in-kernel copies, early write-back, and the
+syncs that make files and folders durable. Used by every writer of local files (promote's
+transfers, consolidate's outputs, the small-file batches of a local store).
+
+>>> import os, tempfile
+>>> a, b = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+>>> _ = a.write(b"abcdef"); a.flush()
+>>> kernel_copy(a.fileno(), b.fileno(), 0, 6), start_writeback(b.fileno(), 0, 6)
+(6, True)
+"""
+from __future__ import annotations
+
+import errno
+import os
+from typing import Sequence
+
+#: ``sync_file_range`` flag: start write-out of the range's dirty pages, do not wait.
+_SYNC_FILE_RANGE_WRITE = 2
+_libc_fns: dict[str, object] = {}
+
+
+def _libc(name: str, *argtypes):
+    """libc's function ``name`` with ``argtypes`` (made once), or None where there is none."""
+    if name not in _libc_fns:
+        import ctypes
+
+        try:
+            fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+            fn.argtypes = list(argtypes)
+        except (OSError, AttributeError):
+            fn = None
+        _libc_fns[name] = fn
+    return _libc_fns[name]
+
+
+def _errno_error(path: str) -> OSError:
+    import ctypes
+
+    n = ctypes.get_errno()
+    return OSError(n, os.strerror(n), path)
+
+
+def kernel_copy(src_fd: int, dst_fd: int, offset: int, n: int, dst_offset: int | None = None) -> int:
+    """Copy ``n`` bytes at ``offset`` of ``src_fd`` to ``dst_offset`` (default the same)
+    of ``dst_fd`` in the kernel (``copy_file_range``; ``pread``/``pwrite`` where the
+    filesystems cannot); returns the bytes copied (fewer: the source ended).
+
+    >>> import os, tempfile
+    >>> a, b = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+    >>> _ = a.write(b"abcdef"); a.flush()
+    >>> kernel_copy(a.fileno(), b.fileno(), 2, 10), os.pread(b.fileno(), 9, 0)
+    (4, b'\\x00\\x00cdef')
+    """
+    dst_offset = offset if dst_offset is None else dst_offset
+    done = 0
+    use_kernel = hasattr(os, "copy_file_range")
+    while done < n:
+        if use_kernel:
+            try:
+                got = os.copy_file_range(src_fd, dst_fd, min(n - done, 1 << 30),
+                                         offset + done, dst_offset + done)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                use_kernel = False
+                continue
+        else:
+            data = os.pread(src_fd, min(n - done, 8 << 20), offset + done)
+            got = len(data)
+            view = memoryview(data)
+            while view:
+                view = view[os.pwrite(dst_fd, view, dst_offset + done + got - len(view)):]
+        if got == 0:
+            break
+        done += got
+    return done
+
+
+def start_writeback(fd: int, offset: int, n: int) -> bool:
+    """Start writing ``n`` bytes at ``offset`` of ``fd`` back to the disk now, without
+    waiting (``sync_file_range(SYNC_FILE_RANGE_WRITE)``; Linux). Left alone, the kernel
+    holds a copy's dirty pages until its background threshold (10% of RAM) or the final
+    fsync, which then waits for all of them at once: started part by part, the write-back
+    runs while the next part is still being read, and the page cache holds little dirty
+    data (consolidate of 2.5 GB: at most 266 MiB dirty instead of 2,272 MiB, which on a
+    training node stalls every other writer). Durability still comes from the fsync;
+    this is only when the writes begin. False where the call does not exist or fails
+    (nothing to report: the fsync that follows reports any error).
+
+    >>> import tempfile
+    >>> f = tempfile.TemporaryFile(); _ = f.write(b"x"); f.flush()
+    >>> start_writeback(f.fileno(), 0, 1)
+    True
+    """
+    import ctypes
+
+    fn = _libc("sync_file_range", ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong,
+               ctypes.c_uint)
+    return fn is not None and fn(fd, offset, n, _SYNC_FILE_RANGE_WRITE) == 0
+
+
+def sync_files(paths: Sequence[str]) -> None:
+    """Make the bytes of the local files ``paths`` durable: one ``syncfs`` of each file
+    system they are on (Linux), which writes them all back at once, else an fsync of each.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp(), "x"); _ = p.write_bytes(b"1"); sync_files([str(p)])
+    """
+    import ctypes
+
+    syncfs = _libc("syncfs", ctypes.c_int)
+    if syncfs is None:
+        for p in paths:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return
+    done: set[int] = set()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            dev = os.fstat(fd).st_dev
+            if dev not in done:
+                if syncfs(fd) != 0:
+                    raise _errno_error(p)
+                done.add(dev)
+        finally:
+            os.close(fd)
+
+
+def sync_dir(folder: str) -> None:
+    """Make a folder's entries (files created, renamed or removed in it) durable. A file
+    system that cannot fsync a folder (EINVAL) has nothing more to offer: not an error.
+
+    >>> import tempfile; sync_dir(tempfile.mkdtemp())
+    """
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+    finally:
+        os.close(fd)
