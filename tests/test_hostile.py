@@ -96,6 +96,29 @@ def test_symlink_pointing_outside(tiny_dcp, tmp_path):
         read_tensor(ck, "model.emb.weight")
 
 
+def test_links_on_the_way_are_followed_only_inside_the_root(tmp_path):
+    """A link anywhere below the root (a folder on the way, a chain of links) that leads
+    out is refused; links that stay inside, and the root itself behind a link, are not."""
+    from ckptctl.storage import open_store
+
+    outside, root = tmp_path / "outside", tmp_path / "real-root"
+    outside.mkdir()
+    (outside / "x.bin").write_bytes(b"secret")
+    (root / "in").mkdir(parents=True)
+    (root / "in" / "y.bin").write_bytes(b"ok")
+    (root / "out").symlink_to(outside)  # a folder on the way leads out
+    (root / "hop").symlink_to(root / "out")  # a chain: inside, then out
+    (root / "alias").symlink_to(root / "in")  # stays inside
+    (tmp_path / "root-link").symlink_to(root)
+    for store in (open_store(str(root)), open_store(str(tmp_path / "root-link"))):
+        for rel in ("out/x.bin", "hop/x.bin", "out", "out/not-there/z.bin"):
+            with pytest.raises(UnsafeInputError, match="outside the checkpoint root"):
+                store.full(rel)
+        assert store.read("alias/y.bin") == b"ok"
+        assert store.full("in/new/deeper.bin").endswith("in/new/deeper.bin")  # not there yet
+        assert store.full("in/y.bin/below").endswith("below")  # a file on the way: no link
+
+
 def test_missing_shard(tiny_dcp, cli):
     next(tiny_dcp.glob("*.distcp")).unlink()
     _one_line_error(cli, tiny_dcp, ".distcp", "missing")

@@ -17,6 +17,7 @@ import errno
 import os
 import posixpath
 import re
+import stat
 import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
@@ -307,6 +308,7 @@ class Store:
         self._lock = threading.Lock()
         self._small: "SmallFileCache | None" = None
         self._fds: dict[str, list[int]] = {}  # rel -> [descriptor, readers using it now]
+        self._real_root_kept: str | None = None
         #: remote files' modification times from the last listing that showed them: ``ls``
         #: and ``gc`` date checkpoints without one HEAD request each
         self._mtimes: dict[str, float] = {}
@@ -347,12 +349,38 @@ class Store:
         rel = safe_relpath(rel, where=self.url)
         full = posixpath.join(self.root, rel)
         if self.is_local:
-            real_root = os.path.realpath(self.root)
-            real = os.path.realpath(full)
-            if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
-                raise UnsafeInputError(self.display(rel), "link points outside the checkpoint root",
-                                      code="PATH_ESCAPE")
+            self._refuse_links_out(rel, full)
         return full
+
+    def _real_root(self) -> str:
+        """The root with its links resolved; kept once the root exists (ckptctl makes its
+        roots as folders, so the answer cannot change under it)."""
+        real = self._real_root_kept
+        if real is None:
+            real = os.path.realpath(self.root)
+            if os.path.isdir(real):
+                self._real_root_kept = real
+        return real
+
+    def _refuse_links_out(self, rel: str, full: str) -> None:
+        """Refuse ``rel`` if a symbolic link on its way (inside the root) leads out of the
+        root. Only the components below the root are looked at, one ``lstat`` each up to
+        the first that does not exist, and a full ``realpath`` only where one is a link:
+        two ``realpath`` s a call (a dozen syscalls) were 20% of a 1,000-file restore."""
+        real_root = self._real_root()
+        path = real_root.rstrip("/")
+        for part in rel.split("/"):
+            path = f"{path}/{part}"
+            try:
+                st = os.lstat(path)
+            except OSError:
+                return  # nothing below exists, so there is no link to follow
+            if stat.S_ISLNK(st.st_mode):
+                real = os.path.realpath(full)
+                if real != real_root and not real.startswith(real_root.rstrip("/") + "/"):
+                    raise UnsafeInputError(self.display(rel), "link points outside the "
+                                           "checkpoint root", code="PATH_ESCAPE")
+                return
 
     def display(self, rel: str = "") -> str:
         """``rel`` as the user should see it (a URL for remote stores)."""
@@ -826,12 +854,15 @@ class Store:
         with self._errors(rel):
             fd, tmp = local_temp(full)
             try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(data)
+                view = memoryview(data).cast("B")
+                while view:
+                    view = view[os.write(fd, view):]
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
                 raise
+            finally:
+                os.close(fd)
         self._count(writes=1, bytes_written=len(data))
         return tmp
 
@@ -1092,31 +1123,28 @@ def _give_buffer(buf: bytearray) -> None:
 
 
 def local_temp(full: str) -> tuple[int, str]:
-    """A hidden temp file beside ``full`` (its folder made if needed), with the permissions
-    ``open()`` would give it (mkstemp makes 0600): what every atomic local write publishes
-    by rename."""
-    import tempfile
+    """A hidden temp file ``.<name>.<random>.tmp`` beside ``full`` (its folder made if
+    needed), with the permissions ``open()`` would give it: what every atomic local write
+    publishes by rename. One ``open`` in the common case: the folder is made only when the
+    open says it is missing, and the umask applies by itself (``tempfile.mkstemp`` makes
+    0600, and with its ``makedirs`` and ``fchmod`` it was 12% of a 1,000-file restore).
 
-    folder = os.path.dirname(full)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(full)}.", suffix=".tmp", dir=folder)
-    os.fchmod(fd, 0o666 & ~_umask())
-    return fd, tmp
-
-
-_UMASK: list[int] = []
-_UMASK_LOCK = threading.Lock()
-
-
-def _umask() -> int:
-    """The process's umask, read once: reading it means setting it, and two threads
-    doing that at once can leave the process at 0 (files then made world-writable)."""
-    with _UMASK_LOCK:
-        if not _UMASK:
-            m = os.umask(0)
-            os.umask(m)
-            _UMASK.append(m)
-        return _UMASK[0]
+    >>> import os, tempfile
+    >>> fd, tmp = local_temp(os.path.join(tempfile.mkdtemp(), "a", "x.bin")); os.close(fd)
+    >>> os.path.basename(tmp).startswith(".x.bin.") and tmp.endswith(".tmp")
+    True
+    """
+    folder, base = os.path.split(full)
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+    for _ in range(100):
+        tmp = os.path.join(folder, f".{base}.{os.urandom(6).hex()}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+        except FileNotFoundError:
+            os.makedirs(folder, exist_ok=True)
+    raise FileExistsError(errno.EEXIST, "no free temporary name", full)
 
 
 def error_code(e: BaseException) -> str | None:
