@@ -140,3 +140,141 @@ def test_many_parts_through_one_slot_pair(s3_bucket, tmp_path, way):
     assert {r: c.parts_sent for r, c in results.items()} == {r: 4 for r in files}
     for rel, data in files.items():
         assert dst.read(rel) == data
+
+
+class _Counting:
+    """Wraps the obstore module: counts the native calls, optionally fails them."""
+
+    def __init__(self, obs, fail=None):
+        self.obs, self.fail, self.calls = obs, fail, []
+
+    def __getattr__(self, name):
+        real = getattr(self.obs, name)
+
+        def call(*a, **kw):
+            self.calls.append(name)
+            if self.fail is not None:
+                self.fail()
+            return real(*a, **kw)
+        return call
+
+
+def _native_counted(st, monkeypatch, fail=None) -> _Counting:
+    obs, for_bucket, budget = s3data.native(st)
+    counting = _Counting(obs, fail)
+    counting.made = (counting, for_bucket, budget)
+    monkeypatch.setattr(st.fs, "_ckptctl_native", counting.made)
+    return counting
+
+
+def test_small_whole_objects_go_native_and_come_back_equal(s3_bucket, tmp_path, monkeypatch):
+    """Small files of a transfer: one native PUT or GET each (no range), bytes equal,
+    bodies unsigned as botocore's are; reads counted once."""
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {f"f{i}.bin": os.urandom(1000 + i) for i in range(5)}
+    for rel, data in files.items():
+        (src / rel).write_bytes(data)
+    remote = open_store(s3_bucket.url("nat"), s3_bucket.storage_options)
+    counting = _native_counted(remote, monkeypatch)
+    t = Transfer(open_store(str(src)), remote, journal=Journal(None, {}), workers=2)
+    try:
+        for rel, data in files.items():
+            assert t.copy(rel, len(data), digest_bytes(data)).how == "put"
+    finally:
+        t.close()
+    puts = [r for r in s3_bucket.server.request_log() if r.method == "PUT"]
+    assert counting.calls == ["put"] * 5 and len(puts) == 5
+    assert {r.payload_hash for r in puts} == {"UNSIGNED-PAYLOAD"}
+    s3_bucket.server.reset_log()
+    back = open_store(str(tmp_path / "back"))
+    t = Transfer(remote, back, journal=Journal(None, {}), workers=2)
+    try:
+        for rel, data in files.items():
+            t.copy(rel, len(data), digest_bytes(data))
+        t.flush()
+    finally:
+        t.close()
+    assert {rel: back.read(rel) for rel in files} == files
+    assert counting.calls == ["put"] * 5 + ["get"] * 5
+    gets = [r for r in s3_bucket.server.request_log() if r.op == "GET"]
+    assert len(gets) == 5 and {r.range for r in gets} == {None}
+    assert remote.stats.reads == 5
+
+
+def test_a_native_failure_is_answered_by_botocore(s3_bucket, monkeypatch):
+    """The native client never decides an outcome: when it fails, botocore asks again,
+    and its answer (success here; its error codes otherwise) is the one returned."""
+    st = open_store(s3_bucket.url("nat"), s3_bucket.storage_options)
+
+    def boom():
+        raise OSError("native client failed")
+
+    counting = _native_counted(st, monkeypatch, fail=boom)
+    st.write_atomic("a.bin", b"abc")
+    buf = bytearray(3)
+    monkeypatch.setattr(st.fs, "_ckptctl_native", counting.made)  # as if made afresh
+    assert st.read_whole_into("a.bin", memoryview(buf)) == 3 and bytes(buf) == b"abc"
+    assert counting.calls == ["put", "get"]
+    monkeypatch.setattr(st.fs, "_ckptctl_native", counting.made)
+    with pytest.raises(CkptError, match="not found"):
+        st.read_whole_into("missing.bin", memoryview(bytearray(3)))
+
+
+def test_native_failures_in_a_row_leave_botocore_alone(s3_bucket, monkeypatch):
+    """A failed native request makes the next one with a fresh client (credentials may
+    have expired); after NATIVE_TRIES failures in a row the filesystem stops trying."""
+    st = open_store(s3_bucket.url("nat"), s3_bucket.storage_options)
+    fresh = []
+    real = s3data._make_native
+
+    def refuse():
+        raise OSError("expired credentials")
+
+    def failing_client(store):
+        obs, for_bucket, budget = real(store)
+        fresh.append(1)
+        return _Counting(obs, fail=refuse), for_bucket, budget
+
+    monkeypatch.setattr(s3data, "_make_native", failing_client)
+    for i in range(s3data.NATIVE_TRIES + 3):
+        st.write_atomic(f"k{i}.bin", b"x")  # botocore writes each one
+    assert len(fresh) == s3data.NATIVE_TRIES and s3data.native(st) is None
+    assert sorted(st.list_files()) == sorted(f"k{i}.bin" for i in range(s3data.NATIVE_TRIES + 3))
+
+
+def test_a_whole_object_longer_than_expected_is_seen(s3_bucket):
+    """An object that grew since its manifest was written: the size returned is the
+    object's, so the transfer refuses it instead of publishing a prefix."""
+    st = open_store(s3_bucket.url("nat"), s3_bucket.storage_options)
+    st.write_atomic("grown.bin", b"0123456789")
+    buf = bytearray(4)
+    assert st.read_whole_into("grown.bin", memoryview(buf)) == 10 and bytes(buf) == b"0123"
+    dst = open_store(s3_bucket.url("nat-out"), s3_bucket.storage_options)
+    t = Transfer(st, dst, journal=Journal(None, {}), workers=1)
+    try:
+        with pytest.raises(CkptError, match="differs from the manifest"):
+            t.copy("grown.bin", 4, digest_bytes(b"0123"))
+    finally:
+        t.close()
+    assert "grown.bin" not in dst.list_files()
+
+
+def test_a_native_request_that_spends_the_budget_is_a_timeout(s3_bucket, monkeypatch):
+    """A native request that ran out the whole budget is not asked again of botocore
+    (that would double the wait): it is the same one-line timeout."""
+    st = open_store(s3_bucket.url("nat"), s3_bucket.storage_options)
+    obs, for_bucket, budget = s3data.native(st)
+    clock = [1000.0]
+    monkeypatch.setattr(s3data, "_clock", lambda: clock[0])
+
+    def slow():
+        clock[0] += budget  # the request "took" the whole budget
+        raise OSError("operation timed out")
+
+    counting = _Counting(obs, slow)
+    monkeypatch.setattr(st.fs, "_ckptctl_native", (counting, for_bucket, budget))
+    with pytest.raises(CkptError, match="timed out") as e:
+        st.write_atomic("late.bin", b"x")
+    assert e.value.code == "REMOTE_TIMEOUT" and counting.calls == ["put"]
+    assert not [r for r in s3_bucket.server.request_log() if r.method == "PUT"]

@@ -545,6 +545,17 @@ class Store:
         buf[:len(data)] = data
         return len(data)
 
+    def read_whole_into(self, rel: str, buf: memoryview) -> int:
+        """Read a whole file that should hold ``len(buf)`` bytes into ``buf``; returns the
+        size found (the caller compares it with what it expected). On S3 one GET of the
+        whole object (:func:`~ckptctl.storage.s3data.get_whole_into`: the native client
+        where installed), elsewhere :meth:`read_into`."""
+        if self.is_s3 and len(buf) and not (self._small is not None and self._small.wants(rel)):
+            from . import s3data
+
+            return s3data.get_whole_into(self, rel, buf)
+        return self.read_into(rel, 0, buf)
+
     @contextlib.contextmanager
     def _fd(self, rel: str) -> Iterator[int]:
         """A kept read descriptor of ``rel`` for the block. A descriptor is closed only

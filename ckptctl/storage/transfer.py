@@ -212,7 +212,7 @@ class Transfer:
         try:
             if self.pace_reads:
                 self.limiter.acquire(size)
-            got = (with_retries(lambda: self.src.read_into(rel, 0, view), what=rel,
+            got = (with_retries(lambda: self.src.read_whole_into(rel, view), what=rel,
                                 sleep=self._backoff) if size else 0)
             data = view[:got]
             h = new_hasher(self.algo)
