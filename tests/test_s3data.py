@@ -278,3 +278,37 @@ def test_a_native_request_that_spends_the_budget_is_a_timeout(s3_bucket, monkeyp
         st.write_atomic("late.bin", b"x")
     assert e.value.code == "REMOTE_TIMEOUT" and counting.calls == ["put"]
     assert not [r for r in s3_bucket.server.request_log() if r.method == "PUT"]
+
+
+def test_additional_kwargs_reach_the_bulk_path(moto_bucket, tmp_path):
+    """``-o s3_additional_kwargs.ServerSideEncryption=AES256``: objects the bulk path
+    writes (whole small files and multipart parts) are encrypted as s3fs's own writes are;
+    a GET, which takes no such argument, still works (each call gets what it accepts)."""
+    opts = dict(moto_bucket.storage_options, s3_additional_kwargs={"ServerSideEncryption": "AES256"})
+    src = tmp_path / "src"
+    src.mkdir()
+    files = {"small.bin": os.urandom(1000), "large.bin": os.urandom(11 * MIB)}
+    for rel, data in files.items():
+        (src / rel).write_bytes(data)
+    remote = open_store(moto_bucket.url("sse"), opts)
+    assert s3data.native(remote) is None  # botocore sends the arguments
+    t = Transfer(open_store(str(src)), remote, journal=Journal(None, {}), part_size=5 * MIB,
+                 workers=2)
+    try:
+        how = {rel: t.copy(rel, len(data), digest_bytes(data)).how for rel, data in files.items()}
+    finally:
+        t.close()
+    assert how == {"small.bin": "put", "large.bin": "multipart"}
+    s3 = s3data.client(open_store(moto_bucket.url(), moto_bucket.storage_options))
+    for rel in files:
+        head = s3.head_object(Bucket=moto_bucket.bucket, Key=f"sse/{rel}")
+        assert head.get("ServerSideEncryption") == "AES256", rel
+    back = open_store(str(tmp_path / "back"))
+    t = Transfer(remote, back, journal=Journal(None, {}), part_size=5 * MIB, workers=2)
+    try:
+        for rel, data in files.items():
+            t.copy(rel, len(data), digest_bytes(data))
+        t.flush()
+    finally:
+        t.close()
+    assert {rel: back.read(rel) for rel in files} == files

@@ -87,6 +87,17 @@ def _bucket_key(store: Store, rel: str) -> tuple[str, str]:
     return bucket, key
 
 
+def _extra(store: Store, operation: str) -> dict:
+    """The user's ``s3_additional_kwargs`` (``-o s3_additional_kwargs.ServerSideEncryption=aws:kms``)
+    that ``operation`` takes, as s3fs adds them to its own calls: the bulk path's objects
+    are encrypted (SSE-KMS, SSE-C), or requester-paid, like the rest."""
+    extra = getattr(store.fs, "s3_additional_kwargs", None) or {}
+    if not extra:
+        return {}
+    members = client(store).meta.service_model.operation_model(operation).input_shape.members
+    return {k: v for k, v in extra.items() if k in members}
+
+
 def get_into(store: Store, rel: str, start: int, buf: memoryview, *, count: bool = True) -> int:
     """Fill ``buf`` with the object's bytes from ``start`` (one ranged GET read straight
     into ``buf``: no intermediate copy); returns how many there were (short at the end
@@ -98,7 +109,8 @@ def get_into(store: Store, rel: str, start: int, buf: memoryview, *, count: bool
     end = start + len(buf) - 1
     with store._errors(rel):
         try:
-            resp = client(store).get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}")
+            resp = client(store).get_object(Bucket=bucket, Key=key, Range=f"bytes={start}-{end}",
+                                            **_extra(store, "GetObject"))
         except Exception as e:  # noqa: BLE001 - past the end is a short read, not a failure
             if (getattr(e, "response", None) or {}).get("Error", {}).get("Code") == "InvalidRange":
                 return 0
@@ -203,7 +215,8 @@ def put_part(store: Store, rel: str, upload_id: str, number: int, data) -> str:
     bucket, key = _bucket_key(store, rel)
     with store._errors(rel):
         resp = client(store).upload_part(Bucket=bucket, Key=key, UploadId=upload_id,
-                                         PartNumber=number, Body=_Body(data))
+                                         PartNumber=number, Body=_Body(data),
+                                         **_extra(store, "UploadPart"))
     return str(resp["ETag"])
 
 
@@ -218,7 +231,8 @@ def put_object(store: Store, rel: str, data, *, exclusive: bool = False) -> None
         if not exclusive and _native_call(store, bucket, lambda obs, st: obs.put(
                 st, key, memoryview(data).cast("B"))):
             return
-        client(store).put_object(Bucket=bucket, Key=key, Body=_Body(data), **extra)
+        client(store).put_object(Bucket=bucket, Key=key, Body=_Body(data), **extra,
+                                 **_extra(store, "PutObject"))
 
 
 def get_whole_into(store: Store, rel: str, buf: memoryview) -> int:
@@ -274,6 +288,8 @@ def native(store: Store):
 
 
 def _make_native(store: Store):
+    if getattr(store.fs, "s3_additional_kwargs", None):  # encryption, requester pays...:
+        return _NO_NATIVE  # botocore sends them as s3fs does (:func:`_extra`)
     try:
         import obstore
         from obstore.store import S3Store
