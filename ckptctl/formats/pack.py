@@ -39,7 +39,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ..errors import FormatError, NotFoundError, UnsafeInputError, UsageError
+from ..errors import CkptError, FormatError, NotFoundError, UnsafeInputError, UsageError
 from ..storage import Capabilities, IOStats, Store, safe_relpath
 from .limits import MAX_TENSOR_BYTES, count_key, load_json
 from .manifest import MANIFEST, WRITING_MARKER, Manifest
@@ -64,6 +64,12 @@ MAX_CHUNKS = 6_000_000
 MODES = ("zstd", "planes", "xor", "same")
 #: Longest chain of delta packs a reader follows (``--max-chain`` writes at most this).
 MAX_DEPTH = 64
+#: A base chain's data files up to this size are read whole, one GET each, when read at
+#: all (a delta decodes against every level below it); larger ones by ranges. About what
+#: one request costs on S3 in bytes: the reads a chain walk needs cost nothing more then.
+CHAIN_WHOLE_FILE = 2 << 20
+#: Whole files one level of a chain keeps in memory at most (LRU past that).
+CHAIN_CACHE_BUDGET = 8 << 20
 ITEMSIZES = (1, 2, 4, 8)
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
 
@@ -193,7 +199,10 @@ class PackIndex:
     source_id: str
     chunk_size: int
     files: dict[str, PackedFile]
-    base: dict | None = None  # {"id", "depth", "url"}
+    #: {"id", "depth", "url", "chain"}: "chain" (optional, written since stop 30) the URLs of
+    #: the base's own bases, nearest first, relative to this pack: a hint that lets a
+    #: reader open every level at once (:func:`chain_urls`); each level is still checked
+    base: dict | None = None
     doc: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -274,6 +283,12 @@ class PackIndex:
             _int(base.get("depth"), "base depth", where, low=1, high=MAX_DEPTH)
             if base.get("url") is not None and not isinstance(base.get("url"), str):
                 raise FormatError(where, "pack base url must be a string")
+            chain = base.get("chain")
+            if chain is not None and (not isinstance(chain, list) or len(chain) > MAX_DEPTH
+                                      or not all(isinstance(u, str) and 0 < len(u) <= 4096
+                                                 for u in chain)):
+                raise FormatError(where, f"pack base chain must be a list of at most "
+                                  f"{MAX_DEPTH} URLs")
         files = doc.get("files")
         if not isinstance(files, dict):
             raise FormatError(where, "pack index has no files table")
@@ -778,11 +793,71 @@ def relative_url(from_url: str, to_url: str) -> str:
     return os.path.relpath(os.path.abspath(to_url), os.path.abspath(from_url))
 
 
+def chain_urls(pack_url: str, index: PackIndex) -> list[str]:
+    """The URLs of a delta pack's bases as its index records them, its base first: the
+    base's ``url``, then its ``chain`` (empty for a full pack or one without a recorded
+    place). A hint only: each level is checked as it is opened.
+
+    >>> i = PackIndex(None, "", 1, {}, {"id": "x", "depth": 2, "url": "../s2", "chain": ["../s1"]})
+    >>> chain_urls("s3://b/run/s3", i)
+    ['s3://b/run/s2', 's3://b/run/s1']
+    """
+    base = index.base
+    if not base or not base.get("url"):
+        return []
+    return [join_url(pack_url, rel) for rel in [base["url"], *(base.get("chain") or [])]]
+
+
+def _open_level(url: str, storage_options: dict | None, ahead: dict) -> tuple:
+    """What :func:`pack_view` makes of a chain level at ``url``, read with its small files
+    whole: the listing, manifest and index, and (when it is a pack) its packed manifest,
+    decoded. Run ahead of need on a thread (:func:`_read_ahead`)."""
+    from .locate import locate
+
+    store, files, single = located = locate(url, storage_options)
+    if single or not is_pack(files) or WRITING_MARKER in files:
+        return located  # the resolver says what is wrong with it
+    ps = open_pack(store, files, storage_options=storage_options, ahead=ahead)
+    if not any(c.mode in ("xor", "same") for c in ps.index.files[MANIFEST].refs):
+        Manifest.read(ps, ps.files)  # what the resolver checks next: cached now
+    return ps, ps.list_files(), None
+
+
+def _whole_small_files(store: Store, files: dict[str, int]) -> None:
+    """A pack's files of up to :data:`CHAIN_WHOLE_FILE` bytes come in one GET each when
+    first read (no effect on local stores): a delta decodes against every level of its
+    chain, chunk by chunk."""
+    store.cache_small_files({rel: n for rel, n in files.items() if n <= CHAIN_WHOLE_FILE},
+                            max_file=CHAIN_WHOLE_FILE, budget=CHAIN_CACHE_BUDGET)
+
+
+def _read_ahead(urls: list[str], storage_options: dict | None) -> dict:
+    """Open the chain levels at ``urls`` at once, one thread each: url -> Future of what
+    :func:`_open_level` returns. The walk down a chain of 8 then waits about as long as
+    for one level; it takes each level from here, or opens it itself when that failed
+    (so its errors are the usual ones)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    ahead: dict = {}
+    if not urls:
+        return ahead
+    pool = ThreadPoolExecutor(len(urls), thread_name_prefix="ckptctl-chain")
+    try:
+        for url in urls:
+            ahead[url] = pool.submit(_open_level, url, storage_options, ahead)
+    finally:
+        pool.shutdown(wait=False)  # the threads end with their one job
+    return ahead
+
+
 def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
-                  storage_options: dict | None = None) -> Callable[[], object]:
+                  storage_options: dict | None = None, *,
+                  ahead: dict | None = None) -> Callable[[], object]:
     """A function that opens a delta pack's base: ``base`` (a URL) when given, else the
     URL the index records (relative to the pack). The base must be sealed and its
     checkpoint id must be the one the pack was made against; it may itself be a pack.
+    On a remote store the first call also starts opening the levels below it that the
+    index's chain names (``ahead``: those already started, shared down the chain).
 
     >>> base_store = base_resolver(url, index, "ckpt/step-1000")()  # doctest: +SKIP
     """
@@ -795,8 +870,21 @@ def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
         if url is None:
             raise NotFoundError(pack_url, f"delta pack needs its base {want}; pass --base URL",
                                 code="MISSING_BASE")
+        shared = ahead
+        if shared is None:  # the top of a walk: the levels below the base, all at once
+            below = chain_urls(pack_url, index)[1:] if base is None and "://" in pack_url \
+                and not pack_url.startswith("file://") else []
+            shared = _read_ahead(below, storage_options)
+        located = None
+        if url in shared:
+            try:
+                located = shared.pop(url).result()
+            except CkptError:
+                located = None  # asked again below: the answer reported is that one
         try:
-            store, files, single = pack_view(locate(url, storage_options), storage_options)
+            if located is None:
+                located = locate(url, storage_options)
+            store, files, single = pack_view(located, storage_options, ahead=shared)
         except NotFoundError:
             raise NotFoundError(url, f"base of {pack_url} not found (the pack needs checkpoint "
                                 f"{want}; pass --base URL)", code="MISSING_BASE") from None
@@ -822,16 +910,19 @@ def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
 
 
 def open_pack(store: Store, files: dict[str, int], *, base: str | None = None,
-              storage_options: dict | None = None, workers: int | None = None) -> PackStore:
+              storage_options: dict | None = None, workers: int | None = None,
+              ahead: dict | None = None) -> PackStore:
     """Open the pack at ``store`` (``files``: its listing) as the checkpoint it holds.
 
     The pack's own manifest must be there (a pack without one is an unfinished write) and
     list the pack's files with their sizes; the index is validated whole. ``base``: the
-    base's URL for a delta pack (default: the one the index records).
+    base's URL for a delta pack (default: the one the index records); ``ahead``: see
+    :func:`base_resolver`.
 
     >>> ps = open_pack(store, store.list_files()); ps.info()["ratio"]  # doctest: +SKIP
     1.51
     """
+    _whole_small_files(store, files)
     man = Manifest.read(store, files)
     if man is None or WRITING_MARKER in files:
         raise FormatError(store.url, "pack is not committed (no manifest: a pack write did "
@@ -845,7 +936,8 @@ def open_pack(store: Store, files: dict[str, int], *, base: str | None = None,
     if man.extra.get("packs") not in (None, index.source_id):
         raise FormatError(store.display(MANIFEST), "the pack's manifest and index name "
                           "different checkpoints", code="MANIFEST_MISMATCH")
-    resolver = base_resolver(store.url, index, base, storage_options) if index.base else None
+    resolver = base_resolver(store.url, index, base, storage_options, ahead=ahead) \
+        if index.base else None
     ps = PackStore(store, index, base_resolver=resolver, workers=workers)
     ps.raw_files = {k: v for k, v in files.items() if k != MANIFEST}
     ps.raw_files[MANIFEST] = files[MANIFEST]
@@ -854,7 +946,7 @@ def open_pack(store: Store, files: dict[str, int], *, base: str | None = None,
 
 
 def pack_view(located: tuple, storage_options: dict | None = None, *,
-              base: str | None = None) -> tuple:
+              base: str | None = None, ahead: dict | None = None) -> tuple:
     """What :func:`~ckptctl.formats.detect.locate` returned, with a committed pack folder
     replaced by the checkpoint it holds (``(PackStore, original files, None)``); anything
     else (an unfinished pack write included) as it was. ``locate`` itself leaves a pack
@@ -870,9 +962,9 @@ def pack_view(located: tuple, storage_options: dict | None = None, *,
     store, files, single = located
     if single or isinstance(store, PackStore) or not is_pack(files) or WRITING_MARKER in files:
         return located
-    ps = open_pack(store, files, base=base, storage_options=storage_options)
+    ps = open_pack(store, files, base=base, storage_options=storage_options, ahead=ahead)
     return ps, ps.list_files(), None
 
 
 __all__ = ["PACK_INDEX", "PackIndex", "PackStore", "Segment", "ChunkRef", "is_pack",
-           "open_pack", "pack_view", "base_resolver"]
+           "open_pack", "pack_view", "base_resolver", "chain_urls"]

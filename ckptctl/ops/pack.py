@@ -320,8 +320,8 @@ def _source(src: str, options: dict | None, workers: int, *, seal_source: bool |
 
 def _open_base(base: str, options: dict | None, *, plain_copy: str | None = None,
                plain_options: dict | None = None, max_depth: int = MAX_DEPTH):
-    """(store, files, checkpoint, id, depth, read from) of a sealed base (a pack works
-    too). ``plain_copy``: where a plain copy of a packed base may be (the source's
+    """(store, files, checkpoint, id, depth, read from, chain) of a sealed base (a pack
+    works too; ``chain``: the URLs of its own bases, nearest first). ``plain_copy``: where a plain copy of a packed base may be (the source's
     sibling of the same name); when it holds the same checkpoint (same id) and its bytes
     hash to its manifest, the base's content is read from there (``read from`` is its
     URL, else None): a delta chain decodes level by level over the network, so reading
@@ -329,8 +329,11 @@ def _open_base(base: str, options: dict | None, *, plain_copy: str | None = None
     from ..formats.detect import locate, open_checkpoint
     from ..formats.pack import pack_view
 
+    from ..formats.pack import chain_urls
+
     located = pack_view(locate(base, options), options)
     store, files, single = located
+    chain = chain_urls(store.url, store.index) if isinstance(store, PackStore) else []
     if isinstance(store, PackStore) and store.index.depth + 1 <= max_depth:
         from .verify import base_unrestorable
 
@@ -341,14 +344,14 @@ def _open_base(base: str, options: dict | None, *, plain_copy: str | None = None
         bid, depth = store.index.source_id, store.index.depth + 1
         copy = _proven_copy(plain_copy, plain_options, bid)
         if copy is not None:
-            return (*copy, bid, depth, plain_copy)
+            return (*copy, bid, depth, plain_copy, chain)
     man = None if single else Manifest.read(store, files)
     if man is None:
         raise UsageError(f"--base must be a sealed checkpoint folder (run `ckptctl seal "
                          f"{base}` first)", base)
     ck = open_checkpoint(base, options, read_step=False, located=located)
     depth = (store.index.depth + 1) if isinstance(store, PackStore) else 1
-    return store, files, ck, man.checkpoint_id, depth, None
+    return store, files, ck, man.checkpoint_id, depth, None, chain
 
 
 def _sibling(src: str, base: str) -> str | None:
@@ -461,7 +464,7 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
     base_info = full_reason = base_read = None
     depth = 0
     if base is not None:
-        bstore, bfiles, bck, bid, bdepth, base_read = _open_base(
+        bstore, bfiles, bck, bid, bdepth, base_read, chain = _open_base(
             base, base_storage_options if base_storage_options is not None
             else storage_options, plain_copy=_sibling(src, base), plain_options=storage_options,
             max_depth=max_chain)
@@ -477,6 +480,8 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
                 for off, n, _, key in lst:
                     base_map.setdefault(key, (rel, off))
             base_info = {"id": bid, "depth": bdepth, "url": relative_url(dst, base)}
+            if chain:  # so a reader opens every level at once (formats.pack.chain_urls)
+                base_info["chain"] = [relative_url(dst, u) for u in chain]
             _note_dependant(base, base_storage_options if base_storage_options is not None
                             else storage_options, dst, dst_storage_options, bid)
     names = sorted(man.files) + [MANIFEST]
