@@ -236,7 +236,7 @@ def _tier(t: dict, i: int, path: str, base: str | None) -> Tier:
 def _tier_url(url: str, base: str | None, bad) -> str:
     """A local tier URL made absolute (``~`` expanded, relative to the config's folder);
     a remote one checked for a bucket."""
-    from .storage.store import split_url
+    from .storage import split_url
 
     if "://" in url:
         try:

@@ -10,6 +10,13 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# No test may depend on timing: hypothesis' per-example deadline (200 ms) and its too-slow
+# health check fail a property test on a busy machine (one example took 304 ms once).
+settings.register_profile("ckptctl", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("ckptctl")
 
 # A test run started in the background (`cmd &` in a script, nohup) has SIGINT ignored, and
 # so would every CLI the tests start (an ignored signal stays ignored across exec): the

@@ -53,9 +53,10 @@ class S3Bucket:
 def _clear_s3fs_cache():
     if "s3fs" in sys.modules:
         sys.modules["s3fs"].S3FileSystem.clear_instance_cache()
-    if "ckptctl.storage.store" in sys.modules:  # one test's timeout never fails the next
-        sys.modules["ckptctl.storage.store"].forget_dead_servers()
-        sys.modules["ckptctl.storage.store"].forget_filesystems()  # fresh clients per test
+    if "ckptctl.storage.failures" in sys.modules:  # one test's timeout never fails the next
+        sys.modules["ckptctl.storage.failures"].forget_dead_servers()
+    if "ckptctl.storage.filesystems" in sys.modules:
+        sys.modules["ckptctl.storage.filesystems"].forget_filesystems()  # fresh clients per test
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ import pytest
 
 from ckptctl.errors import CkptError, NotFoundError, StorageError, UsageError
 from ckptctl.storage import RateLimiter, is_transient, parse_rate, with_retries
-from ckptctl.storage.store import storage_error
+from ckptctl.storage.failures import storage_error
 
 MIB = 1 << 20
 
@@ -222,10 +222,10 @@ def test_an_error_the_circuit_breaker_raises_is_not_retried(s3_bucket):
     """After a server was found dead, the store fails at once without asking it: retrying
     that would spin until the breaker clears."""
     from ckptctl.storage import open_store
-    from ckptctl.storage.store import _mark_dead, forget_dead_servers
+    from ckptctl.storage.failures import forget_dead_servers, mark_dead
 
     st = open_store(s3_bucket.url("p"), s3_bucket.storage_options)
-    _mark_dead(st._server(), "timed out after 3 s", "REMOTE_TIMEOUT", 60)
+    mark_dead(st._server(), "timed out after 3 s", "REMOTE_TIMEOUT", 60)
     calls = []
     try:
         with pytest.raises(StorageError, match="timed out") as e:

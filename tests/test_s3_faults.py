@@ -31,7 +31,7 @@ CKPT = "run/step-42"
 
 @pytest.fixture(autouse=True)
 def _fresh_breaker():
-    from ckptctl.storage.store import forget_dead_servers
+    from ckptctl.storage.failures import forget_dead_servers
 
     forget_dead_servers()
     yield
@@ -115,8 +115,8 @@ def _data_put(r) -> bool:
 # ------------------------------------------------------------------ options (unit)
 
 def test_s3_options_carry_timeouts_and_user_options_win(monkeypatch):
-    from ckptctl.storage.store import (_s3_budget, _s3_options, make_filesystem,
-                                       request_timeout, set_timeout)
+    from ckptctl.storage.filesystems import (_s3_options, make_filesystem, request_timeout,
+                                             s3_budget, set_timeout)
 
     o = _s3_options({}, timeout=60)
     cfg = o["config_kwargs"]
@@ -138,14 +138,14 @@ def test_s3_options_carry_timeouts_and_user_options_win(monkeypatch):
                                 "config_kwargs": {"read_timeout": 300}})
     assert fs.retries == 5 and fs.config_kwargs["read_timeout"] == 300
     assert fs.config_kwargs["retries"] == {"total_max_attempts": 3, "mode": "standard"}
-    assert _s3_budget(fs) == 300 * 3 * 5
+    assert s3_budget(fs) == 300 * 3 * 5
 
     monkeypatch.setenv("CKPTCTL_TIMEOUT", "12")
     set_timeout(None)
     assert request_timeout() == 12
     fs = make_filesystem("s3", {"endpoint_url": "http://127.0.0.1:9"})
     assert fs.config_kwargs["read_timeout"] == 4.0 and fs.retries == 1
-    assert _s3_budget(fs) == 12
+    assert s3_budget(fs) == 12
     set_timeout(4)
     assert request_timeout() == 4
     set_timeout(None)
@@ -196,7 +196,7 @@ def _client_error(code: str, status: int):
 ])
 def test_storage_error_words(make, words, code):
     from ckptctl.errors import CkptError
-    from ckptctl.storage.store import storage_error
+    from ckptctl.storage.failures import storage_error
 
     e = storage_error("s3://b/x/model.safetensors", make(), remote=True, budget=60)
     assert isinstance(e, CkptError) and e.exit_code == 3
@@ -210,7 +210,7 @@ def test_storage_error_words_for_network_failures():
     from botocore.exceptions import (ConnectionClosedError, ConnectTimeoutError,
                                      EndpointConnectionError, ReadTimeoutError)
 
-    from ckptctl.storage.store import storage_error
+    from ckptctl.storage.failures import storage_error
 
     url = "http://127.0.0.1:9/b/x"
     cases = [
@@ -231,7 +231,7 @@ def test_storage_error_words_for_network_failures():
 
 
 def test_storage_error_never_shows_a_secret():
-    from ckptctl.storage.store import storage_error
+    from ckptctl.storage.failures import storage_error
 
     secret = "SuperSecretValue1234"
     e = storage_error("s3://b/x", RuntimeError(f"signing failed with {secret}"),

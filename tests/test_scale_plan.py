@@ -193,7 +193,7 @@ def test_kept_descriptors_never_serve_another_files_bytes(tmp_path):
     """More files than descriptors kept, read from many threads: a descriptor closed under
     one reader while another opens a file could hand the first reader another file's bytes."""
     from ckptctl.storage import open_store
-    from ckptctl.storage.store import MAX_OPEN_FILES
+    from ckptctl.storage.local_store import MAX_OPEN_FILES
 
     n = MAX_OPEN_FILES * 2 + 7
     for i in range(n):

@@ -13,7 +13,7 @@ import pytest
 from ckptctl.errors import CkptError
 from ckptctl.ops.promote import promote
 from ckptctl.ops.seal import seal
-from ckptctl.storage import store as store_mod
+from ckptctl.storage import local_store as store_mod
 from ckptctl.storage import transfer as transfer_mod
 from ckptctl.storage.journal import Journal
 

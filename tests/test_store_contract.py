@@ -23,7 +23,7 @@ import xxhash
 from ckptctl.errors import CkptError, Finding, NotFoundError, StorageError, UsageError
 from ckptctl.storage import Capabilities, Store, hash_file, open_store
 from ckptctl.storage import multipart as mp
-from ckptctl.storage.store import forget_dead_servers
+from ckptctl.storage.failures import forget_dead_servers
 from s3server import make_bucket
 
 MIB = 1 << 20

@@ -45,7 +45,8 @@ def _global(
              "a URL anywhere one is taken. Default: $CKPTCTL_CONFIG, else ./ckptctl.toml "
              "if there is one."),
 ):
-    from ..storage.store import forget_dead_servers, set_timeout
+    from ..storage.failures import forget_dead_servers
+    from ..storage.filesystems import set_timeout
 
     del debug  # read from argv by main(), before parsing: it must hold on every error path
     set_timeout(timeout)  # UsageError (exit 2) unless > 0

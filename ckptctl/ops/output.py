@@ -39,7 +39,7 @@ from ..formats.dcp import METADATA
 from ..formats.manifest import MANIFEST, WRITING_MARKER
 from ..storage import Store
 from ..storage.localio import kernel_copy, start_writeback, sync_dir
-from ..storage.store import storage_error
+from ..storage.failures import storage_error
 
 #: Files whose presence makes a folder look committed: removed first by ``--force``.
 _COMMIT_FILES = (MANIFEST, METADATA, "model.safetensors.index.json")

@@ -80,7 +80,7 @@ def check_tiers(config: Config, *, check: bool = True, timeout: float | None = N
     if not check:
         return result
     if timeout is None:
-        from ..storage.store import request_timeout
+        from ..storage.filesystems import request_timeout
 
         timeout = 4 * request_timeout()
     outcomes: dict[int, tuple[str | None, str | None]] = {}
@@ -117,7 +117,7 @@ def _probe_outcome(tier: Tier) -> tuple[str | None, str | None]:
     except CkptError as e:
         code, reason = str(e.code), e.message
     except Exception as e:  # noqa: BLE001 - mapped like any storage failure, one line
-        from ..storage.store import storage_error
+        from ..storage.failures import storage_error
 
         err = storage_error(tier.url, e, remote="://" in tier.url)
         code, reason = str(err.code), err.message

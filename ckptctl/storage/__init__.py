@@ -4,8 +4,8 @@ content hashes, a shared rate limiter and retries with backoff."""
 from .hashing import ALGORITHMS, HashBehind, HashingWriter, digest_bytes, hash_file, new_hasher, normalize_algo
 from .ratelimit import RateLimiter, parse_rate
 from .retry import is_transient, with_retries
-from .store import (Capabilities, IOStats, Store, open_store, parse_storage_options, safe_relpath,
-                    split_url)
+from .backends import open_store
+from .store import Capabilities, IOStats, Store, parse_storage_options, safe_relpath, split_url
 
 __all__ = ["ALGORITHMS", "Capabilities", "HashBehind", "HashingWriter", "IOStats", "RateLimiter", "Store",
            "digest_bytes", "hash_file", "is_transient", "new_hasher", "normalize_algo",

@@ -42,7 +42,9 @@ from dataclasses import dataclass
 
 from ..errors import NotFoundError, StorageError, UsageError
 from .localio import kernel_copy, sync_dir
-from .store import Store, error_code, local_temp
+from .failures import error_code
+from .local_store import local_temp
+from .store import Store
 
 MIN_PART = 5 << 20
 MAX_PART = 5 << 30

@@ -1,0 +1,211 @@
+"""Storage failures in words: every exception a storage call can raise becomes one
+:class:`~ckptctl.errors.CkptError` with a one-line message (never a credential), and a
+circuit breaker remembers servers that stopped answering.
+
+>>> str(storage_error("s3://b/x", ConnectionRefusedError(), remote=True))
+'s3://b/x: remote unreachable (connection refused)'
+"""
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+
+from ..errors import CkptError, NotFoundError, StorageError, UsageError, shorten
+
+#: Error codes after which talking to the server again (to abort an upload) is pointless.
+NO_SERVER = ("REMOTE_TIMEOUT", "REMOTE_UNREACHABLE")
+CUT = "connection closed by the server"
+_dead: dict[str, tuple[float, str, str]] = {}  # server -> (monotonic deadline, message, code)
+_dead_lock = threading.Lock()
+
+
+def mark_dead(server: str, message: str, code: str, seconds: float) -> None:
+    import time
+
+    with _dead_lock:
+        _dead[server] = (time.monotonic() + seconds, message, code)
+
+
+def dead_server(server: str) -> tuple[str, str] | None:
+    """(message, code) of the failure that marked ``server`` dead, while that holds."""
+    import time
+
+    with _dead_lock:
+        hit = _dead.get(server)
+        if hit is None:
+            return None
+        if time.monotonic() >= hit[0]:
+            del _dead[server]
+            return None
+        return hit[1], hit[2]
+
+
+def forget_dead_servers() -> None:
+    """Clear the circuit breaker (tests; a long-running caller that knows better)."""
+    with _dead_lock:
+        _dead.clear()
+
+
+_ERRNO_TEXT = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EISDIR: "is a directory",
+    errno.ENOTDIR: "a parent is not a directory",
+    errno.EFBIG: "file too large for the file system",
+    errno.EMFILE: "too many open files",
+    errno.ENAMETOOLONG: "file name too long",
+    errno.EIO: "I/O error from the device",
+    errno.ESTALE: "stale file handle (network file system)",
+}
+
+
+def _chain(e: BaseException) -> list[BaseException]:
+    """``e``, its causes and contexts, and the ``error`` botocore wraps, outermost first."""
+    out: list[BaseException] = []
+    todo = [e]
+    while todo and len(out) < 20:
+        x = todo.pop(0)
+        if x is None or any(x is y for y in out):
+            continue
+        out.append(x)
+        kw = getattr(x, "kwargs", None)
+        inner = kw.get("error") if isinstance(kw, dict) else None
+        todo += [x.__cause__, x.__context__, inner if isinstance(inner, BaseException) else None,
+                 getattr(x, "os_error", None)]
+    return out
+
+
+def _client_code(chain: list[BaseException]) -> str | None:
+    for x in chain:
+        resp = getattr(x, "response", None)
+        if isinstance(resp, dict):
+            code = (resp.get("Error") or {}).get("Code")
+            if code:
+                return str(code)
+            status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
+            if status:
+                return f"HTTP {status}"
+    return None
+
+
+def _names(chain: list[BaseException]) -> set[str]:
+    return {c.__name__ for x in chain for c in type(x).__mro__}
+
+
+def storage_error(shown: str, e: BaseException, *, remote: bool = False,
+                  budget: float | None = None, secrets: list[str] | None = None) -> CkptError:
+    """The one-line error for a storage failure ``e`` at ``shown``: what happened, in words
+    (never a bare exception class, never a credential).
+
+    >>> import errno
+    >>> str(storage_error("out/model.safetensors", OSError(errno.ENOSPC, "No space left")))
+    'out/model.safetensors: no space left on device'
+    >>> str(storage_error("s3://b/x", TimeoutError(), remote=True, budget=60))
+    's3://b/x: timed out after 60 s (server not answering; see --timeout)'
+    """
+    chain = _chain(e)
+    names = _names(chain)
+    code = _client_code(chain) if remote else None
+    after = f" after {budget:g} s" if budget else ""
+
+    def bad(message: str, code_: str = "IO_ERROR", cls=StorageError, *,
+            transient: bool = False) -> CkptError:
+        err = cls(shown, scrub(message, secrets), code=code_)
+        err.transient = transient  # retry.is_transient: worth trying again later?
+        return err
+
+    if code == "NoSuchBucket":
+        return bad("no such bucket", "MISSING_FILE", NotFoundError)
+    if code in ("NoSuchKey", "NoSuchUpload", "HTTP 404") or isinstance(e, FileNotFoundError):
+        return bad("not found", "MISSING_FILE", NotFoundError)
+    if code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken",
+                "AllAccessDisabled", "AccountProblem", "InvalidToken", "HTTP 403") or (
+            names & {"NoCredentialsError", "PartialCredentialsError",
+                     "CredentialRetrievalError"}):
+        what = {"InvalidAccessKeyId": "unknown access key",
+                "SignatureDoesNotMatch": "wrong secret key",
+                "ExpiredToken": "expired session token"}.get(code or "")
+        if names & {"NoCredentialsError", "PartialCredentialsError"}:
+            what = "no credentials"
+        return bad(f"access denied ({what or code or 'check credentials'}; check "
+                   "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --storage-option key=/secret=)")
+    if code in ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
+                "TooManyRequests", "HTTP 429"):
+        return bad(f"server is throttling requests ({code}); still refused{after}, "
+                   "retry later or raise --timeout", "REMOTE_TIMEOUT", transient=True)
+    if code in ("RequestTimeout",):
+        return bad(f"server timed out reading the request ({code})", "REMOTE_TIMEOUT",
+                   transient=True)
+    if code in ("InternalError", "ServiceUnavailable", "HTTP 500", "HTTP 502", "HTTP 503",
+                "HTTP 504"):
+        return bad(f"server error ({code})", transient=True)
+    # before the timeouts: urllib3's NewConnectionError (a refused connection) is a
+    # subclass of its ConnectTimeoutError
+    if names & {"ConnectionRefusedError"} or any(
+            getattr(x, "errno", None) == errno.ECONNREFUSED for x in chain):
+        return bad("remote unreachable (connection refused)", "REMOTE_UNREACHABLE",
+                   transient=True)
+    if names & {"ReadTimeoutError", "ConnectTimeoutError", "TimeoutError", "FSTimeoutError",
+                "ServerTimeoutError", "ConnectionTimeoutError", "SocketTimeoutError"}:
+        if "ConnectTimeoutError" in names:
+            return bad(f"remote unreachable (connect timed out{after})", "REMOTE_UNREACHABLE",
+                       transient=True)
+        return bad(f"timed out{after} (server not answering; see --timeout)", "REMOTE_TIMEOUT",
+                   transient=True)
+    if names & {"gaierror", "ClientConnectorDNSError"}:
+        return bad("remote unreachable (host name not found)", "REMOTE_UNREACHABLE")
+    if names & {"EndpointConnectionError", "ClientConnectorError", "ProxyConnectionError"}:
+        return bad("remote unreachable (could not connect)", "REMOTE_UNREACHABLE",
+                   transient=True)
+    if names & {"SSLError", "ClientSSLError", "SSLCertVerificationError"}:
+        return bad("TLS error talking to the server (certificate or protocol)",
+                   "REMOTE_UNREACHABLE")
+    if names & {"ConnectionClosedError", "ServerDisconnectedError", "ConnectionResetError",
+                "BrokenPipeError", "ClientPayloadError", "IncompleteRead",
+                "IncompleteReadError", "ResponseStreamingError", "ClientOSError",
+                "ConnectionAbortedError"}:
+        return bad(f"remote unreachable ({CUT})", "REMOTE_UNREACHABLE",
+                   transient=True)
+    if code == "PreconditionFailed" or isinstance(e, FileExistsError):
+        return bad("already exists", "ALREADY_EXISTS")
+    if code:  # any other answer of the server: its code says what it refused
+        return bad(f"refused by the server ({code})")
+    if isinstance(e, OSError):
+        if e.errno in _ERRNO_TEXT:
+            return bad(_ERRNO_TEXT[e.errno])
+        if isinstance(e, PermissionError):
+            return bad("permission denied")
+        if isinstance(e, IsADirectoryError):
+            return bad("is a directory")
+        text = e.strerror or (os.strerror(e.errno) if e.errno else "") or type(e).__name__
+        return bad(f"I/O error: {text}")
+    if isinstance(e, MemoryError):
+        return bad("out of memory")
+    for x in chain:  # s3fs hands unknown -o KEY=VALUE to its session at the first request
+        unknown = re.search(r"unexpected keyword argument '(\w+)'", str(x))
+        if isinstance(x, TypeError) and unknown:
+            return UsageError(f"unknown storage option {unknown.group(1)!r} (S3: endpoint_url, "
+                              "key, secret, token, profile, client_kwargs...)", shown)
+    detail = shorten(scrub(str(e), secrets), 160)  # scrubbed first: no half a secret
+    return bad(f"storage error ({type(e).__name__}{': ' + detail if detail else ''})")
+
+
+def scrub(message: str, secrets: list[str] | None) -> str:
+    for s in secrets or ():
+        message = message.replace(s, "***")
+    return message
+
+
+def error_code(e: BaseException) -> str | None:
+    """The S3 error code (``NoSuchUpload``...) or ``HTTP <status>`` an exception carries,
+    looking through its causes; None for anything else.
+
+    >>> error_code(ValueError("x")) is None
+    True
+    """
+    return _client_code(_chain(e))
