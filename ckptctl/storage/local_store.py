@@ -198,6 +198,9 @@ class LocalStore(Store):
     def _find(self, base: str) -> dict[str, dict]:
         return _walk_local(base)
 
+    def _listed_prefix(self) -> str:
+        return self.root.rstrip("/") + "/"  # no fsspec import for a local listing
+
     def _mtime(self, rel: str) -> float:
         return os.stat(self.full(rel)).st_mtime
 

@@ -452,7 +452,7 @@ class Store:
                 found = {e["name"]: e for e in self.fs.ls(base, detail=True)
                          if e.get("type") == "file"}
         out = {}
-        prefix = self.root.rstrip("/") + "/"
+        prefix = self._listed_prefix()
         for name, info in found.items():
             name = name.rstrip("/")  # fsspec names S3 objects bucket/key, like our root
             if name.startswith(prefix):
@@ -462,6 +462,11 @@ class Store:
                     with self._lock:
                         self._mtimes[name[len(prefix):]] = when.timestamp()
         return dict(sorted(out.items()))
+
+    def _listed_prefix(self) -> str:
+        """How the filesystem's listings spell this store's root, with a trailing ``/``
+        (fsspec's memory filesystem puts a ``/`` in front of the path it was given)."""
+        return self.fs._strip_protocol(self.root).rstrip("/") + "/"
 
     def _find(self, base: str) -> dict[str, dict]:
         """Every file under the path ``base``: full name -> ``{"size", "LastModified"?}``."""
@@ -473,7 +478,7 @@ class Store:
         with self._errors(rel):
             self.stats.lists += 1
             entries = self.fs.ls(base, detail=True)
-        prefix = self.root.rstrip("/") + "/"
+        prefix = self._listed_prefix()
         return sorted(e["name"].rstrip("/")[len(prefix):] for e in entries
                       if e.get("type") == "directory" and e["name"].startswith(prefix))
 
