@@ -144,3 +144,24 @@ def test_a_malformed_chain_is_refused(chain):
     doc["source_id"] = Manifest.parse(json.dumps(doc["source"]).encode(), "m").id
     with pytest.raises(FormatError, match="chain must be a list"):
         PackIndex.parse(json.dumps(doc).encode(), "p", {})
+
+
+def test_a_chain_naming_other_places_is_not_read_ahead(s3_bucket, tmp_path, monkeypatch):
+    """A hostile index's chain may name any URL; only entries relative to the pack (same
+    bucket) are opened ahead of need, so nothing is asked of a place the walk never
+    follows."""
+    from ckptctl.formats import pack as fpack
+    from ckptctl.formats.locate import locate
+
+    hot = tmp_path / "hot"
+    for step in (1, 2, 3):
+        _ckpt(hot / f"step-{step}", step)
+        _hop_requests(s3_bucket, hot, step)
+    asked = []
+    real = fpack._read_ahead
+    monkeypatch.setattr(fpack, "_read_ahead", lambda urls, so: asked.extend(urls) or real(urls, so))
+    ps, _, _ = fpack.pack_view(locate(s3_bucket.url("cold/step-3"), s3_bucket.storage_options),
+                               s3_bucket.storage_options)
+    ps.index.base["chain"] = ["../step-1", "http://127.0.0.1:9/elsewhere", "/etc"]
+    ps._base_store()  # the walk's first step: what it reads ahead
+    assert asked == [s3_bucket.url("cold/step-1")]

@@ -831,6 +831,24 @@ def _whole_small_files(store: Store, files: dict[str, int]) -> None:
                             max_file=CHAIN_WHOLE_FILE, budget=CHAIN_CACHE_BUDGET)
 
 
+def _read_ahead_urls(pack_url: str, index: PackIndex) -> list[str]:
+    """The levels below a remote pack's base worth opening ahead: those its chain records
+    relative to the pack (same bucket). An absolute URL there is never read ahead of need:
+    a hostile index would otherwise send requests anywhere it names (only the URLs a walk
+    actually follows are asked, and reported).
+
+    >>> i = PackIndex(None, "", 1, {}, {"id": "x", "depth": 3, "url": "../s3",
+    ...               "chain": ["../s2", "http://169.254.169.254/x"]})
+    >>> _read_ahead_urls("s3://b/run/s4", i), _read_ahead_urls("/local/run/s4", i)
+    (['s3://b/run/s2'], [])
+    """
+    if "://" not in pack_url or pack_url.startswith("file://"):
+        return []  # a local walk costs no round trips
+    rels = (index.base or {}).get("chain") or []
+    return [join_url(pack_url, rel) for rel in rels if "://" not in rel and not
+            rel.startswith("/")]
+
+
 def _read_ahead(urls: list[str], storage_options: dict | None) -> dict:
     """Open the chain levels at ``urls`` at once, one thread each: url -> Future of what
     :func:`_open_level` returns. The walk down a chain of 8 then waits about as long as
@@ -872,8 +890,7 @@ def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
                                 code="MISSING_BASE")
         shared = ahead
         if shared is None:  # the top of a walk: the levels below the base, all at once
-            below = chain_urls(pack_url, index)[1:] if base is None and "://" in pack_url \
-                and not pack_url.startswith("file://") else []
+            below = _read_ahead_urls(pack_url, index) if base is None else []
             shared = _read_ahead(below, storage_options)
         located = None
         if url in shared:
