@@ -43,6 +43,7 @@ def test_hop_requests_do_not_grow_with_the_chain(s3_bucket, tmp_path):
         assert packs[s]["pack"]["base_read_from"] == str(hot / f"step-{s - 1}")
         gets = packs[s]["data_gets"]
         assert len(gets) <= s - 1 and len({q.key for q in gets}) == len(gets), (s, gets)
+        assert all(q.range is None for q in gets), gets  # whole small files, no chunk reads
     # the chain walk costs a few small reads a level, nothing else grows with depth
     per_level = (counts[7] - counts[2]) / 5
     assert per_level <= 4, counts

@@ -321,15 +321,14 @@ def _source(src: str, options: dict | None, workers: int, *, seal_source: bool |
 def _open_base(base: str, options: dict | None, *, plain_copy: str | None = None,
                plain_options: dict | None = None, max_depth: int = MAX_DEPTH):
     """(store, files, checkpoint, id, depth, read from, chain) of a sealed base (a pack
-    works too; ``chain``: the URLs of its own bases, nearest first). ``plain_copy``: where a plain copy of a packed base may be (the source's
-    sibling of the same name); when it holds the same checkpoint (same id) and its bytes
-    hash to its manifest, the base's content is read from there (``read from`` is its
-    URL, else None): a delta chain decodes level by level over the network, so reading
-    through it costs time that grows with its depth."""
+    works too; ``chain``: the URLs of its own bases, nearest first). ``plain_copy``:
+    where a plain copy of a packed base may be (the source's sibling of the same name);
+    when it holds the same checkpoint (same id) and its bytes hash to its manifest, the
+    base's content is read from there (``read from`` is its URL, else None): a delta chain
+    decodes level by level over the network, so reading through it costs time that grows
+    with its depth."""
     from ..formats.detect import locate, open_checkpoint
-    from ..formats.pack import pack_view
-
-    from ..formats.pack import chain_urls
+    from ..formats.pack import chain_urls, pack_view
 
     located = pack_view(locate(base, options), options)
     store, files, single = located
