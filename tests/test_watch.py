@@ -105,7 +105,12 @@ def test_three_tiers_drain_pack_and_trim(tmp_path, s3_bucket):
     assert _names(str(hot)) == {"step-300": "sealed"}
     assert _names(str(warm)) == {"step-200": "sealed", "step-300": "sealed"}
     assert _names(cold, opts) == {f"step-{s}": "sealed" for s in (100, 200, 300)}
-    assert p.removed == {"hot": ["step-200", "step-100"], "warm": ["step-100"]}
+    assert p.removed == {"hot": ["step-100", "step-200"], "warm": ["step-100"]}
+    # a tier is trimmed as soon as a hop out of it is committed, not at the pass's end
+    log = [(e["event"], e.get("tier") or e.get("src"), e["name"]) for e in _events(cfg)
+           if e["event"] in ("promoted", "removed")]
+    assert log.index(("removed", "hot", "step-100")) < log.index(("promoted", "hot", "step-200"))
+    assert log.index(("removed", "hot", "step-200")) < log.index(("promoted", "hot", "step-300"))
     # cold holds packs, and they verify (content hashes)
     fs = s3_bucket.fs()
     for s in (100, 200, 300):

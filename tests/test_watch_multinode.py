@@ -384,3 +384,24 @@ def test_two_nodes_with_watcher_killed_mid_copy_and_s3_restarted(tmp_path):
         for w in nodes:
             w.cleanup()
         srv.stop()
+
+
+def test_drain_on_pre_emption_takes_each_nodes_part_of_the_newest(tmp_path):
+    # Slurm signals every node of the job: each node's watch drains its part of the
+    # newest checkpoint at once (no settle), and the node that completes it seals it
+    _split(tmp_path, 100)
+    files = _split(tmp_path, 200)
+    ws, warm, opts = _watchers(tmp_path)
+    for w in ws:
+        w.settle = 3600.0
+    results = [w.drain_newest() for w in ws]
+    assert [name for _, name in results] == ["step-200", "step-200"]
+    assert all(not p.failed for p, _ in results)
+    rows = {r.name: r.state for r in ls(warm, opts).checkpoints}
+    assert rows == {"step-200": "sealed"}  # the older one waits for its settle time
+    r = verify(warm + "/step-200", opts, level="full")
+    assert not [x for x in r.problems if x.severity == "error"], r.problems
+    from ckptctl.storage import open_store
+
+    there = open_store(warm + "/step-200", opts).list_files()
+    assert {k: v for k, v in there.items() if k != MANIFEST} == files

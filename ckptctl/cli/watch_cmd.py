@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 
 import typer
@@ -40,6 +41,32 @@ def watch(
     no_nice: bool = typer.Option(False, "--no-nice",
                                  help="Run at normal priority (default: nice 10 and the idle "
                                       "I/O class)."),
+    metrics_file: str | None = typer.Option(
+        None, "--metrics-file", metavar="PATH",
+        help="Keep Prometheus metrics in PATH (node_exporter's textfile collector: name it "
+             "*.prom), rewritten whole (temp file + rename) after each event."),
+    metrics_addr: str | None = typer.Option(
+        None, "--metrics-addr", metavar="HOST:PORT",
+        help="Also serve the metrics over HTTP at http://HOST:PORT/metrics (:PORT: every "
+             "address)."),
+    log_format: str = typer.Option(
+        "text", "--log-format", metavar="FORMAT",
+        help="text (a summary per pass on stdout) or json (one JSON line per event on "
+             "stderr, as it happens: time, level, event, tier, name, step, bytes, "
+             "seconds, reason)."),
+    drain_signal: str = typer.Option(
+        "USR1", "--drain-signal", metavar="SIG",
+        help="On this signal, promote the newest checkpoint of the first tier to the next "
+             "tier at once (ahead of any backlog), commit it, exit 0 (Slurm: #SBATCH "
+             "--signal=B:USR1@120); none: ignore."),
+    ready: bool = typer.Option(
+        False, "--ready",
+        help="Exit 0 when the watch of this config runs and has listed its first tier, "
+             "else 1; print nothing (a readiness probe)."),
+    print_unit: bool = typer.Option(
+        False, "--print-unit",
+        help="Print the systemd template unit ckptctl-watch@.service (Type=notify, "
+             "watchdog, metrics file) for this ckptctl, then exit."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
 ):
@@ -65,18 +92,33 @@ def watch(
     current part, saves the status and exits 0. With --json the loop prints one JSON
     document per pass (JSON lines).
 
+    As a service: under systemd Type=notify (NOTIFY_SOCKET) watch sends READY=1 once
+    the first tier is listed, STATUS= lines, WATCHDOG=1 at half of WatchdogSec while it
+    makes progress, and STOPPING=1 (a template unit: ckptctl/contrib/). The drain
+    signal (--drain-signal, USR1) is pre-emption: the newest checkpoint of the first
+    tier goes to the next one at once, committed last, then watch exits 0 (1 when it
+    could not). A checkpoint already sealed in the first tier needs no settle time; a
+    tier is trimmed as soon as each hop out of it is committed.
+
     \b
     EXAMPLES
       ckptctl watch --config ckptctl.toml               # loop, low priority
       ckptctl watch --once --settle 0 --json            # cron: exit 1 while not drained
       ckptctl watch --status
       ckptctl watch --node-rank 1                       # multi-node
+      ckptctl watch --metrics-file /var/lib/node_exporter/ckptctl.prom --log-format json
+      ckptctl watch --print-unit > /etc/systemd/system/ckptctl-watch@.service
     """
     from ..config import CONFIG_ENV, CONFIG_NAME
     from ..errors import UsageError
     from ..ops.watch import Watcher, lower_priority
     from .common import current_config
 
+    if print_unit:
+        from .watch_service import systemd_unit
+
+        sys.stdout.write(systemd_unit())
+        return
     config = current_config(ctx)
     if config.path is None or not config.tiers:
         raise UsageError(f"no tier config: pass --config FILE, set {CONFIG_ENV} or create "
@@ -85,51 +127,129 @@ def watch(
         from ..ops.multinode import node_rank_from_env
 
         node_rank = node_rank_from_env()
+    if ready:
+        from ..ops.watch import watch_ready
+
+        if not watch_ready(config, node_rank):
+            raise typer.Exit(EXIT_FINDING)
+        return
     if status:
         from ..ops.watch import measured_plan, watch_status
 
+        from ..ops.watch import watch_alive
+
         ran, doc = watch_status(config, node_rank)  # a running watch of a copy: its status
         figures = measured_plan(ran, doc)
+        pid = watch_alive(config, node_rank)
         if json:
-            emit_json({"config": ran.path, "status": doc,
-                       "plan": figures.to_dict() if figures else None})
+            emit_json({"config": ran.path, "alive": pid is not None, "pid": pid,
+                       "status": doc, "plan": figures.to_dict() if figures else None})
         elif not quiet:
-            _print_status(ran.path, doc)
+            _print_status(ran.path, doc, pid)
             _print_plan(figures)
         return
+    from ..ops.sdnotify import Notifier
+    from .watch_service import Drain, parse_signal
+
+    if log_format not in ("text", "json"):
+        raise UsageError(f"--log-format {log_format}: expected text or json")
+    signum = parse_signal(drain_signal)
     if not no_nice:
         lower_priority()
     w = Watcher(config, settle=settle, node_rank=node_rank)
     w.lock()
+    notifier = Notifier()
+    heartbeat = _serve(w, config, notifier, metrics_file, metrics_addr, log_format)
+    wake, stop = threading.Event(), threading.Event()
+    drain = Drain(w, signum, wake, stop)
     try:
         if once:
-            p = w.run_once()
-            if json:
-                emit_json(p.to_dict())
-            elif not quiet:
-                _print_pass(p)
-            if not p.drained:
-                raise typer.Exit(EXIT_FINDING)
+            try:
+                p = w.run_once()
+            except KeyboardInterrupt:
+                if not drain.requested:
+                    raise
+            if not drain.requested:
+                _report(p, json, quiet)
+                if not p.drained:
+                    raise typer.Exit(EXIT_FINDING)
+                return
+        else:
+            def report(p):
+                if json or p.promoted or p.failed or any(p.removed.values()):
+                    _report(p, json, quiet)
+
+            previous = _stop_between_passes(w, wake, stop)
+            try:
+                w.loop(interval=interval, jitter=jitter, on_pass=report, wake=wake, stop=stop)
+            except KeyboardInterrupt:  # a signal mid-pass: promote left resumable state
+                w.save()
+            finally:
+                if previous is not None:
+                    signal.signal(signal.SIGTERM, previous)
+        if drain.requested:
+            _drain(w, notifier, json, quiet)
             return
-
-        def report(p):
-            if json:
-                emit_json(p.to_dict())
-            elif not quiet and (p.promoted or p.failed or any(p.removed.values())):
-                _print_pass(p)
-
-        wake, stop = threading.Event(), threading.Event()
-        previous = _stop_between_passes(w, wake, stop)
-        try:
-            w.loop(interval=interval, jitter=jitter, on_pass=report, wake=wake, stop=stop)
-        except KeyboardInterrupt:  # SIGTERM or Ctrl-C mid-pass: promote left resumable state
-            w.save()
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
         say("watch: stopped (status saved)", quiet=quiet or json)
     finally:
+        drain.restore()
+        heartbeat.stop()
+        notifier.stopping()
         w.unlock()
+
+
+def _serve(w, config, notifier, metrics_file, metrics_addr, log_format):
+    """Hang the service's listeners on the watcher (JSON log, metrics, notify) and start
+    the watchdog heartbeat (a no-op without WATCHDOG_USEC); returns the heartbeat."""
+    import time
+
+    from ..ops.sdnotify import Heartbeat
+    from .watch_service import json_logger, notify_listener
+
+    names = [t.name for t in config.tiers]
+    if log_format == "json":
+        w.listeners.append(json_logger())
+    if metrics_file or metrics_addr:
+        from ..ops.metrics import WatchMetrics
+
+        m = WatchMetrics(names, path=metrics_file, addr=metrics_addr,
+                         warn=lambda msg: print(f"ckptctl: warning: {msg}", file=sys.stderr))
+        m.write()
+        w.listeners.append(m.observe)
+    if notifier.enabled:
+        w.listeners.append(notify_listener(notifier, names))
+    period = notifier.watchdog_seconds or 0
+    hb = Heartbeat(notifier, alive=lambda: w.waiting or time.monotonic() - w.progress < period)
+    hb.start()
+    return hb
+
+
+def _report(p, json: bool, quiet: bool) -> None:
+    if json:
+        emit_json(p.to_dict())
+    elif not quiet:
+        _print_pass(p)
+
+
+def _drain(w, notifier, json: bool, quiet: bool) -> None:
+    """The drain signal came: the newest checkpoint of the first tier to the next tier,
+    then exit 0 (1 when it failed)."""
+    notifier.status("draining the newest checkpoint (pre-emption)")
+    p, name = w.drain_newest()
+    if json:
+        emit_json({**p.to_dict(), "drain": name})
+    elif not quiet:
+        if name is None:
+            say("watch: drain signal: no committed checkpoint in the first tier")
+        for h in p.promoted:
+            say(f"drained {h.name}: {h.src} -> {h.dst} ({human_bytes(h.bytes)})")
+        for f in p.failed:
+            say(f"drain failed: {f.what} {f.tier}" + (f":{f.name}" if f.name else "")
+                + f": {f.message}")
+        if name is not None and not p.failed and not p.promoted:
+            say(f"watch: drain signal: {name} is already in the next tier")
+    if p.failed:
+        raise typer.Exit(EXIT_FINDING)
 
 
 def _stop_between_passes(w, wake, stop):
@@ -170,16 +290,22 @@ def _when(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%H:%M:%SZ")
 
 
-def _print_status(path: str, doc: dict | None) -> None:
+def _print_status(path: str, doc: dict | None, pid: int | None) -> None:
     if doc is None:
-        say(f"no watch has run for {path}")
+        say(f"no watch has run for {path}" + (f" (pid {pid} holds its lock)" if pid else ""))
         return
     last = doc.get("last_pass") or {}
-    say(f"watch of {path}: updated {doc.get('updated')}, pid {doc.get('pid')}, last pass "
+    say(f"watch of {path}: " + (f"running (pid {pid})" if pid is not None
+                                else f"not running (last pid {doc.get('pid')})")
+        + f", updated {doc.get('updated')}, last pass "
         + ("drained" if last.get("drained") else "not drained"))
     fl = doc.get("in_flight")
-    say("in flight: " + (f"{fl['name']} {fl['src']} -> {fl['dst']} since {fl['since']}"
-                         if fl else "none"))
+    if fl and pid is None:
+        say(f"interrupted: {fl['name']} {fl['src']} -> {fl['dst']} since {fl['since']} "
+            "(the next watch resumes it)")
+    else:
+        say("in flight: " + (f"{fl['name']} {fl['src']} -> {fl['dst']} since {fl['since']}"
+                             if fl else "none"))
     for q in doc.get("queued") or []:
         say(f"queued: {q['tier']}:{q['name']} ({q['why']})")
     for d in (doc.get("done") or [])[-10:]:

@@ -77,6 +77,12 @@ class CheckpointRow:
         doc["modified"] = iso_utc(doc["modified"])
         return doc
 
+    @property
+    def signature(self) -> list:
+        """What stays the same while nothing is written to the checkpoint (``watch``'s
+        settle test)."""
+        return [self.state, self.bytes, self.num_files, self.modified]
+
 
 @dataclass
 class LsResult:

@@ -123,9 +123,10 @@ def complete_in(url: str, options: dict | None) -> bool:
     return all(rel in files for rel in referenced_files(ck))
 
 
-def node_pass(w, p) -> list:
-    """Step 1 and 2 of the module docstring for every settled first-tier folder; the
-    listings [first tier, shared tier] after it."""
+def node_pass(w, p, only: str | None = None) -> list:
+    """Step 1 and 2 of the module docstring for every settled first-tier folder (``only``:
+    that one alone, settled or not: pre-emption); the listings [first tier, shared tier]
+    after it."""
     from .seal import seal
 
     hot_tier, shared_tier = w.config.tiers[0], w.config.tiers[1]
@@ -135,9 +136,9 @@ def node_pass(w, p) -> list:
     now = w.clock()
     seen, parts = w.status.setdefault("seen", {}), w.status.setdefault("parts", {})
     changed = False
-    for name in sorted(hot):
+    for name in sorted(hot) if only is None else [only]:
         r = hot[name]
-        sig = [r.state, r.bytes, r.num_files, r.modified]
+        sig = r.signature
         old = seen.get(name)
         if old is None:
             p.found.append(name)
@@ -148,7 +149,7 @@ def node_pass(w, p) -> list:
             seen[name] = old = {"sig": sig, "since": now}
         if name in shared and shared[name].state in COMMITTED:
             continue
-        if now - old["since"] < w.settle:
+        if only is None and now - old["since"] < w.settle:
             p.pending.append({"tier": hot_tier.name, "name": name, "why": "settling"})
             continue
         key = f"part {hot_tier.name}->{shared_tier.name}:{name}"
@@ -171,7 +172,7 @@ def node_pass(w, p) -> list:
                       sum(n for _, n in hashes.values()), seconds)
                 w._event("part-promoted", name=name, src=hot_tier.name, dst=shared_tier.name,
                          node_rank=w.node_rank, files=len(hashes),
-                         bytes=sum(n for _, n in hashes.values()))
+                         bytes=sum(n for _, n in hashes.values()), seconds=round(seconds, 3))
             if complete_in(url, shared_tier.storage_options):
                 s = seal(url, shared_tier.storage_options)
                 changed = True
@@ -185,7 +186,7 @@ def node_pass(w, p) -> list:
             w._fail(p, key, "promote", shared_tier.name, name, e)
             continue
         w._ok(key)
-    for name in [n for n in seen if n not in hot]:
+    for name in [n for n in seen if n not in hot and only is None]:
         del seen[name]
         parts.pop(name, None)
     if changed:

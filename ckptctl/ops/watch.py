@@ -35,7 +35,7 @@ import os
 import random
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..config import Config, Tier
 from ..errors import CkptError, Finding, NotFoundError, StorageError, UsageError
@@ -95,6 +95,8 @@ class WatchPass:
     removed: dict[str, list[str]] = field(default_factory=dict)
     pending: list[dict] = field(default_factory=list)
     failed: list[Failure] = field(default_factory=list)
+    #: tier -> age in seconds of the newest checkpoint not yet committed there (0: none)
+    behind: dict[str, float] = field(default_factory=dict)
 
     @property
     def drained(self) -> bool:
@@ -111,7 +113,15 @@ class WatchPass:
             "removed": {k: list(v) for k, v in self.removed.items()},
             "pending": [dict(p) for p in self.pending],
             "failed": [{**asdict(f), "next_retry": iso_time(f.next_retry)} for f in self.failed],
+            "newest_pending_age_seconds": {k: round(v, 3) for k, v in self.behind.items()},
         }
+
+    def queued(self, tiers: list[str]) -> dict[str, int]:
+        """How many checkpoints wait in each tier (every tier named, 0 included)."""
+        out = dict.fromkeys(tiers, 0)
+        for x in self.pending:
+            out[x["tier"]] = out.get(x["tier"], 0) + 1
+        return out
 
 
 def iso_time(ts: float | None) -> str | None:
@@ -346,6 +356,13 @@ class Watcher:
         self.events_path = os.path.join(self.dir, "events.jsonl")
         self.status_path = os.path.join(self.dir, "status.json")
         self._lock_fd: int | None = None
+        #: called with every event document as it happens (events.jsonl's, and the
+        #: transient ``listed``, ``hop-started`` and ``pass``): logs, metrics, sd_notify
+        self.listeners: list = []
+        #: time.monotonic() of the last sign of progress (an event, bytes sent, a wait)
+        self.progress = time.monotonic()
+        #: pre-emption: failures' backoff is not waited for
+        self.urgent = False
         self.status = self._load()
         #: the hop a watcher killed mid-way was doing (its status still names it): if it
         #: committed before the kill, its "promoted" event was never written
@@ -418,10 +435,23 @@ class Watcher:
 
     def _event(self, event: str, **fields) -> None:
         os.makedirs(self.dir, exist_ok=True)
-        line = json.dumps({"time": iso_time(self.clock()), "event": event, **fields},
-                          sort_keys=False, default=str)
+        doc = {"time": iso_time(self.clock()), "event": event, **fields}
+        line = json.dumps(doc, sort_keys=False, default=str)
         with open(self.events_path, "a") as f:
             f.write(line + "\n")
+        self._tell(doc)
+
+    def _tell(self, doc: dict) -> None:
+        """Hand an event to :attr:`listeners` as it happens; ``doc`` without a time gets
+        one (transient events, not kept in events.jsonl)."""
+        self.progress = time.monotonic()
+        doc.setdefault("time", iso_time(self.clock()))
+        for listen in self.listeners:
+            listen(doc)
+
+    def touch(self, *_args) -> None:
+        """A sign of progress (bytes sent, a wait): for the service watchdog."""
+        self.progress = time.monotonic()
 
     # -- failures and backoff -----------------------------------------------------------
 
@@ -439,7 +469,7 @@ class Watcher:
         failure recorded under another config of its tiers (the endpoint moved, the
         destination changed) is not waited for: the new config is tried at once."""
         f = self.status.get("failed", {}).get(key)
-        if not f or f["next_retry"] <= now:
+        if not f or f["next_retry"] <= now or self.urgent:
             return None
         if f.get("config") != self._config_digest(key):
             if not f.get("config_changed"):
@@ -504,7 +534,73 @@ class Watcher:
                                         "drained": p.drained}
             p.seconds = time.monotonic() - t0
             self.save()
+            self._tell({"event": "pass", "ended": self.clock(), "seconds": round(p.seconds, 3),
+                        "drained": p.drained, "promoted": len(p.promoted),
+                        "removed": sum(map(len, p.removed.values())), "failed": len(p.failed),
+                        "queued": p.queued([t.name for t in self.config.tiers]),
+                        "newest_pending_age_seconds": dict(p.behind)})
         return p
+
+    def drain_newest(self) -> tuple[WatchPass, str | None]:
+        """Pre-emption (``watch``'s drain signal): promote the newest committed checkpoint
+        of the first tier to the second at once, ahead of any backlog, with no settle
+        time and no backoff wait, sealed first when it is not (multi-node: this node's
+        part of it). Returns the pass and that checkpoint's name (None: the first tier
+        holds none committed); it is committed in the next tier when nothing failed.
+
+        >>> p, name = w.drain_newest(); p.failed, name     # doctest: +SKIP
+        ([], 'step-300')
+        """
+        from .seal import seal
+
+        p = WatchPass(self.clock())
+        t0 = time.monotonic()
+        self.urgent = True
+        tiers = self.config.tiers
+        name = None
+        try:
+            if len(tiers) < 2:
+                return p, None
+            if self.node_rank is not None:
+                from .multinode import node_pass
+
+                hot = self._list(p, tiers[0]) or {}
+                name = self._newest_part(hot)
+                if name is not None:
+                    node_pass(self, p, only=name)
+                return p, name
+            first = self._list(p, tiers[0])
+            after = self._list(p, tiers[1])
+            name = _newest(first or {})
+            if name is None or after is None:
+                return p, name
+            if name in after and after[name].state in COMMITTED:
+                return p, name  # already there
+            row = first[name]
+            if row.state != "sealed":
+                try:
+                    seal(row.url, tiers[0].storage_options)
+                except (CkptError, OSError) as e:
+                    self._fail(p, f"seal {tiers[0].name}:{name}", "seal", tiers[0].name, name, e)
+                    return p, name
+                self._event("sealed", tier=tiers[0].name, name=name, url=row.url)
+                p.sealed.append(name)
+            self._hop(p, tiers[0], tiers[1], row, name)
+            return p, name
+        finally:
+            self.urgent = False
+            self.status["in_flight"] = None
+            p.seconds = time.monotonic() - t0
+            self.save()
+
+    def _newest_part(self, hot: dict) -> str | None:
+        """Multi-node pre-emption: this node's newest part whose listing has settled
+        (unchanged for ``settle`` seconds as last seen), else its newest part."""
+        seen, now = self.status.get("seen") or {}, self.clock()
+        settled = [n for n, r in hot.items() if n in seen
+                   and seen[n]["sig"] == r.signature
+                   and now - seen[n]["since"] >= self.settle]
+        return settled[-1] if settled else (list(hot)[-1] if hot else None)
 
     def _list(self, p: WatchPass, tier: Tier):
         """The rows of ``tier``'s listing by name; None (and a failure) when it cannot be
@@ -527,6 +623,10 @@ class Watcher:
                 self._fail(p, key, "list", tier.name, None, e)
                 return None
         self._ok(key)
+        if tier is self.config.tiers[0] and self.status.get("ready_pid") != os.getpid():
+            self.status["ready_pid"] = os.getpid()  # this watch has listed its first tier
+            self.save()
+        self._tell({"event": "listed", "tier": tier.name, "checkpoints": len(rows)})
         return {r.name: r for r in rows}
 
     def _ready(self, p: WatchPass, tier: Tier, rows: dict) -> list[str]:
@@ -535,7 +635,7 @@ class Watcher:
         seen = self.status.setdefault("seen", {})
         ready = []
         for name, r in rows.items():
-            sig = [r.state, r.bytes, r.num_files, r.modified]
+            sig = r.signature
             old = seen.get(name)
             if old is None:
                 p.found.append(name)
@@ -545,7 +645,8 @@ class Watcher:
                 seen[name] = old = {"sig": sig, "since": now}
             if r.state not in COMMITTED:
                 p.pending.append({"tier": tier.name, "name": name, "why": r.state})
-            elif now - old["since"] < self.settle:
+            elif r.state != "sealed" and now - old["since"] < self.settle:
+                # sealed: its manifest was committed last, nothing more will be written
                 p.pending.append({"tier": tier.name, "name": name, "why": "settling"})
             else:
                 ready.append(name)
@@ -591,6 +692,23 @@ class Watcher:
         self._hops(p, listings, set(ready))
         for i, tier in enumerate(tiers):
             self._retain(p, i, listings)
+        p.behind = self._behind(listings)
+
+    def _behind(self, listings: list) -> dict[str, float]:
+        """For each tier after the first that could be listed: the age of the newest
+        checkpoint committed in a tier before it and not yet in it (by its first-tier
+        arrival time, else its commit marker's), 0.0 when none waits."""
+        arrived = {a["name"]: a["time"] for a in self.status.get("arrivals") or []}
+        now, out, before = self.clock(), {}, {}
+        for tier, rows in zip(self.config.tiers, listings):
+            if before and rows is not None:
+                times = [arrived.get(n, r.modified or now) for n, r in before.items()
+                         if not (n in rows and rows[n].state in COMMITTED)]
+                out[tier.name] = max(0.0, now - max(times)) if times else 0.0
+            for n, r in (rows or {}).items():
+                if r.state in COMMITTED:
+                    before.setdefault(n, r)
+        return out
 
     def _hops(self, p: WatchPass, listings: list, movable: set, start: int = 0) -> None:
         """Promote hop by hop from tier ``start`` on, appending each next tier's listing
@@ -613,6 +731,11 @@ class Watcher:
                                 p.pending.append({"tier": src.name, "name": rest,
                                                   "why": f"waiting for {dst.name}"})
                         break
+                    # committed in dst (promote commits last): the source tier is trimmed
+                    # now, not at the end of the pass, so a slow next tier does not let
+                    # the source fill up with what it already holds
+                    after[name] = replace(rows[name], url=dst.url.rstrip("/") + "/" + name)
+                    self._retain_rows(p, i, rows, after)
                 if any(h.dst == dst.name for h in p.promoted):
                     after = self._list(p, dst)
             listings.append(after)
@@ -644,9 +767,11 @@ class Watcher:
         self.status["in_flight"] = {"name": name, "src": src.name, "dst": dst.name,
                                     "since": iso_time(self.clock())}
         self.save()
+        self._tell({"event": "hop-started", "name": name, "src": src.name, "dst": dst.name,
+                    "bytes": row.bytes})
         try:
             r = promote(row.url, url, src.storage_options, dst.storage_options,
-                        bwlimit=dst.bwlimit, pack=dst.pack)
+                        bwlimit=dst.bwlimit, pack=dst.pack, on_bytes=self.touch)
         except (CkptError, OSError) as e:
             self._fail(p, key, "promote", dst.name, name, e)
             # a finding is about this checkpoint: the others may still go
@@ -680,9 +805,15 @@ class Watcher:
 
     def _retain(self, p: WatchPass, i: int, listings: list) -> None:
         """Apply tier i's keep, with the "not yet in NEXT" rail."""
+        last = i + 1 >= len(self.config.tiers)
+        self._retain_rows(p, i, listings[i], None if last else listings[i + 1])
 
+    def _retain_rows(self, p: WatchPass, i: int, rows: dict | None, after: dict | None) -> None:
+        """Apply tier i's keep to its listing ``rows``, with the rail from ``after``, the
+        next tier's listing (None: it could not be listed); what is removed leaves
+        ``rows``."""
         tier = self.config.tiers[i]
-        if not tier.keep or not listings[i]:
+        if not tier.keep or not rows:
             return  # nothing kept to apply, nothing listed (or not listable) to trim
         key = f"gc {tier.name}"
         if self._waiting(key, self.clock()):
@@ -690,19 +821,20 @@ class Watcher:
             return
         protect: dict[str, str] = {}
         if i + 1 < len(self.config.tiers):
-            nxt, after = self.config.tiers[i + 1], listings[i + 1]
-            for name in listings[i]:
+            nxt = self.config.tiers[i + 1]
+            for name in rows:
                 if after is None:
                     protect[name] = f"{nxt.name} cannot be listed"
                 elif not (name in after and after[name].state in COMMITTED):
                     protect[name] = f"not yet in {nxt.name}"
-        self._trim(p, key, tier, protect, set(listings[i]))
+        for name in self._trim(p, key, tier, protect, set(rows)):
+            rows.pop(name, None)
 
     def _trim(self, p: WatchPass, key: str, tier, protect: dict[str, str], listed: set[str],
-              policy=None, **gc_kw) -> None:
+              policy=None, **gc_kw) -> list[str]:
         """gc one tier with its keep table (or ``policy``), the ``protect`` rail, and
         ``listed``: what this pass saw there, so a checkpoint written since (not judged by
-        the rail yet) is kept until the next pass."""
+        the rail yet) is kept until the next pass. Returns the names removed."""
         from .gc import gc
         from .policy import Policy
 
@@ -712,12 +844,13 @@ class Watcher:
                    **gc_kw)
         except (CkptError, OSError) as e:
             self._fail(p, key, "gc", tier.name, None, e)
-            return
+            return []
         self._ok(key)
         p.kept[tier.name] = list(r.decision.keep)
-        p.removed[tier.name] = [c.name for c in r.removed]
+        p.removed.setdefault(tier.name, []).extend(c.name for c in r.removed)
         for c in r.removed:
             self._event("removed", tier=tier.name, name=c.name, bytes=c.bytes)
+        return [c.name for c in r.removed]
 
     # -- loop -------------------------------------------------------------------------
 
@@ -775,6 +908,66 @@ class Watcher:
         observer.schedule(_Wake(), root, recursive=True)
         observer.start()
         return observer
+
+
+def _newest(rows: dict) -> str | None:
+    """The newest committed checkpoint of a listing (``ls`` order: by step, then name),
+    the one ``latest`` would name."""
+    names = [n for n, r in rows.items() if r.state in COMMITTED]
+    return names[-1] if names else None
+
+
+def watch_alive(config: Config, node_rank: int | None = None) -> int | None:
+    """The pid of the watch that holds the lock of ``config``'s first tier now, None
+    when none does (a SIGKILLed watch's lock went with it). Read from ``/proc/locks``
+    (which names the holder of a flock without taking it, so a watch starting meanwhile
+    is not turned away); elsewhere, whether the pid the lock file names still runs.
+
+    >>> watch_alive(Config("c.toml", (Tier("hot", "/no/such/tier"),))) is None
+    True
+    """
+    path = lock_path(config, node_rank)
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    pid = (lock_holder(config, node_rank) or {}).get("pid")
+    device = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    try:
+        with open("/proc/locks") as f:
+            for line in f:
+                fields = line.split()
+                # "1: FLOCK  ADVISORY  WRITE 4242 fd:01:1234 0 EOF" (a blocked waiter: "->");
+                # an overlay file system may show another device: then the pid must match
+                if len(fields) >= 6 and fields[1] == "FLOCK" and fields[0] != "->" \
+                        and fields[5].rsplit(":", 1)[-1] == str(st.st_ino) \
+                        and (fields[5] == device or fields[4] == str(pid)):
+                    return int(fields[4]) if fields[4].isdigit() else -1
+        return None
+    except OSError:
+        if not isinstance(pid, int):
+            return None
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return pid
+
+
+def watch_ready(config: Config, node_rank: int | None = None) -> bool:
+    """A readiness probe: does a watch of ``config``'s first tier run now
+    (:func:`watch_alive`) and has it listed that tier since it started?
+
+    >>> watch_ready(Config("c.toml", (Tier("hot", "/no/such/tier"),)))
+    False
+    """
+    pid = watch_alive(config, node_rank)
+    if pid is None:
+        return False
+    ran, doc = watch_status(config, node_rank)
+    return bool(doc) and doc.get("ready_pid") == pid
 
 
 def lower_priority() -> list[str]:
