@@ -59,9 +59,10 @@ def test_metrics_file_and_json_log_follow_each_event(tmp_path):
     w = Watcher(load_config(str(cfg)), settle=0)
     seen_after_first_hop = []
 
-    def spy(doc):  # the file is rewritten as each event happens, not at the pass's end
+    def spy(doc):  # file and log are written as each event happens, not at the pass's end
         if doc["event"] == "promoted" and doc["name"] == "step-100":
             seen_after_first_hop.append(_samples(prom.read_text()))
+            assert '"event": "promoted"' in log.getvalue().splitlines()[-1]
 
     w.listeners += [m.observe, json_logger(log), spy]
     p = w.run_once()
@@ -317,3 +318,41 @@ def test_the_template_unit_is_what_systemd_accepts(tmp_path):
     r = subprocess.run([analyze, "verify", str(path)], capture_output=True, text=True,
                        env={**os.environ, "MANPATH": str(tmp_path / "man")})
     assert r.returncode == 0 and not r.stderr.strip(), r.stderr
+
+
+def test_heartbeat_pings_only_while_watch_makes_progress():
+    from ckptctl.ops.sdnotify import Heartbeat, Notifier
+
+    sd = NotifySocket()
+    try:
+        env = {"NOTIFY_SOCKET": sd.path, "WATCHDOG_USEC": "100000"}
+        stuck = Heartbeat(Notifier(env), alive=lambda: False)
+        stuck.start()
+        stuck.stop()
+        n = Notifier(env)
+        n.send(STATUS="probe")  # datagrams arrive in order: after this, nothing from `stuck`
+        assert _wait_for(lambda: sd.has("STATUS", "probe"))
+        assert not sd.has("WATCHDOG")
+        well = Heartbeat(Notifier(env), alive=lambda: True)
+        well.start()
+        assert _wait_for(lambda: sd.has("WATCHDOG", "1"))
+        well.stop()
+    finally:
+        sd.close()
+
+
+def test_notify_reaches_an_abstract_socket_and_ignores_a_watchdog_for_another_pid():
+    from ckptctl.ops.sdnotify import Notifier
+
+    name = f"ckptctl-test-{os.getpid()}"
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    s.bind("\0" + name)
+    s.settimeout(30)
+    try:
+        n = Notifier({"NOTIFY_SOCKET": "@" + name, "WATCHDOG_USEC": "5000000",
+                      "WATCHDOG_PID": str(os.getpid() + 1)})
+        assert n.ready("listed hot") and n.watchdog_seconds is None
+        assert s.recv(4096) == b"READY=1\nSTATUS=listed hot"
+    finally:
+        s.close()
+    assert not Notifier({"NOTIFY_SOCKET": "/nonexistent/socket"}).send(READY=1)
