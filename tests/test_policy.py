@@ -253,7 +253,7 @@ def test_durations(text, seconds):
     assert parse_duration(format_duration(seconds)) == seconds
 
 
-@pytest.mark.parametrize("text", ["", "d", "30 d", "1h-5m", "-1h", "inf", "nan", "1y"])
+@pytest.mark.parametrize("text", ["", "d", "30 d", "1h-5m", "-1h", "inf", "nan", "1x", "y5"])
 def test_bad_durations(text):
     with pytest.raises(UsageError, match="not a duration"):
         parse_duration(text)

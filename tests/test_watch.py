@@ -518,8 +518,11 @@ def test_status_shows_plan_figures_from_what_watch_measured(tmp_path):
     assert h["drain_seconds"] == pytest.approx(drain_seconds(size, rate))
     assert h["fits"] is True and doc["all_fit"] is True
     rec = {r["tier"]: r for r in doc["recovery"]}
-    assert rec["hot"]["rate_source"] == "hot measured read"  # the hop out of hot
-    assert rec["warm"]["rate_source"] == "warm measured write"  # nothing read from it yet
+    # each rate is labelled by the hop it was measured on
+    assert h["rate_source"] == "measured on hot -> warm" and h["rate_kind"] == "measured"
+    assert rec["hot"]["rate_source"] == "measured on hot -> warm"  # the hop out of hot
+    assert rec["warm"]["rate_source"] == "measured on hot -> warm (a write)"  # none read yet
+    assert rec["warm"]["rate_kind"] == "measured"
     assert rec["warm"]["seconds"] == pytest.approx(drain_seconds(size, rate))
     code, out, err = run_cli("--config", str(cfg), "watch", "--status")
     assert code == 0, err

@@ -1,6 +1,7 @@
 """``ckptctl plan``: the checkpoint interval, its cost, and what the tiers must sustain."""
 from __future__ import annotations
 
+import sys
 from typing import List, Optional
 
 import typer
@@ -29,7 +30,20 @@ def _size(flag: str, text: str) -> int:
     return int(round(value))
 
 
+#: A year in durations here: 365 days (a vendor's "5 years MTBF"); the other units are
+#: ``parse_duration``'s (s, m, h, d, w).
+YEAR = 365 * 86400
+
+
 def _duration(flag: str, text: str | None) -> float | None:
+    """Seconds in ``text``: ``parse_duration``'s spellings (``5y``, ``2.8h``, ``1d12h``,
+    ``90m``, a number of seconds), more than 0.
+
+    >>> _duration("--node-mtbf", "5y") == 5 * YEAR, _duration("--mtbf", "1y12h") == YEAR + 43200
+    (True, True)
+    >>> _duration("--mtbf", "2.8h"), _duration("--mtbf", None)
+    (10080.0, None)
+    """
     from ..errors import UsageError
     from ..ops.policy import parse_duration
 
@@ -41,6 +55,28 @@ def _duration(flag: str, text: str | None) -> float | None:
         raise UsageError(f"{flag}: {e.message}") from None
     if value <= 0:
         raise UsageError(f"{flag} must be longer than 0, not {text!r}")
+    return value
+
+
+def _rate(flag: str, text: str | None) -> float | None:
+    """Bytes/s in ``text`` (``parse_rate``'s units: ``2GB/s``, ``1.5GiB/s``); 0 and
+    ``off`` are refused here: a write rate is needed.
+
+    >>> _rate("--write-bandwidth", "2GB/s"), _rate("--write-bandwidth", None)
+    (2000000000.0, None)
+    """
+    from ..errors import UsageError
+    from ..units import parse_rate
+
+    if text is None:
+        return None
+    try:
+        value = parse_rate(text)
+    except UsageError:
+        value = -1.0
+    if value is None or value <= 0:
+        raise UsageError(f"{flag}: bad rate {text[:40]!r} (a write rate, e.g. 2GB/s, "
+                         "1.5GiB/s)")
     return value
 
 
@@ -58,10 +94,18 @@ def plan(
     save_seconds: Optional[float] = typer.Option(
         None, "--save-seconds", metavar="C",
         help="Seconds training is blocked by one save (writing to the first tier)."),
+    write_bandwidth: Optional[str] = typer.Option(
+        None, "--write-bandwidth", metavar="RATE",
+        help="Instead of --save-seconds: one node's write rate to the first tier (2GB/s); "
+             "C = S / (P x RATE), a lower bound of the real save."),
     mtbf: Optional[str] = typer.Option(
         None, "--mtbf", metavar="DUR",
         help="Mean time between failures of the whole job (2.8h, 1d, 90m, or seconds)."),
-    nodes: int = typer.Option(1, "--nodes", min=1, metavar="P",
+    node_mtbf: Optional[str] = typer.Option(
+        None, "--node-mtbf", metavar="DUR",
+        help="Instead of --mtbf: one node's MTBF, as vendors quote it (5y, 50000h); "
+             "the job's is DUR / P (--nodes)."),
+    nodes: int = typer.Option(1, "--nodes", metavar="P",
                               help="Nodes the checkpoint is spread over (each writes S/P)."),
     interval: Optional[str] = typer.Option(
         None, "--interval", metavar="DUR",
@@ -86,26 +130,43 @@ def plan(
     """How often to checkpoint, what it costs, and whether the tiers keep up.
 
     \b
-    FORMULAS (S size, P nodes, C save seconds, M MTBF, tau the interval)
-      optimal interval (Young/Daly)   tau* = sqrt(2 C M)
-      expected overhead               C/tau + tau/(2 M)   (also as hours lost per day)
-      per-node drain bandwidth        B >= S / (P tau)    (S/P per node per interval)
-      local capacity per node         2 S / P             (current + previous checkpoint)
-      drain of a tier hop             bytes / rate; it fits when it ends within tau
-      recovery from a tier            bytes / read rate
+    FORMULAS (S size, P nodes, C save seconds, M job MTBF, tau the interval)
+      job MTBF (--node-mtbf)       M = node MTBF / P  (independent failures)
+      save (--write-bandwidth B)   C = S / (P B)      (a lower bound)
+      interval, C/M <= 0.1         tau* = sqrt(2 C M)              (Young)
+      interval, C/M > 0.1          tau* = sqrt(2 C M) (1 + sqrt(r)/3 + r/9) - C,
+                                   r = C / (2 M)      (Daly 2006; warns)
+      expected overhead            1 - tau / (M (e^((tau + C)/M) - 1))  (Daly)
+      per-node drain bandwidth     B >= S / (P tau)   (S/P per interval)
+      local capacity per node      2 S / P            (current + previous)
+      drain of a tier hop          bytes / rate; fits when it ends within tau
+      recovery from a tier         bytes / read rate
 
-    Tiers come from the config (--config, $CKPTCTL_CONFIG or ./ckptctl.toml), hottest
-    first; the first is taken as node-local: its hop out moves S/P on every node at once
-    (the rate is one node's), later hops and a restart from a shared tier move S. A hop's
-    rate is the smallest known of the destination's bwlimit, its measured write and the
-    source's measured read; a tier with neither bwlimit nor --measure is "unknown".
-    A tier that cannot be measured is exit 3.
+    The overhead is Daly's expected wall-clock model (a failure can strike
+    during a save too): never above 100%, never more than 24 h lost per day.
+    A save no interval makes progress at (C >= M, or under 25% of the time
+    training at the best interval) is refused (exit 2). Durations take y
+    (365 d), w, d, h, m and s: --node-mtbf 5y.
+
+    Tiers come from the config (--config, $CKPTCTL_CONFIG or ./ckptctl.toml),
+    hottest first; the first is node-local: its hop out moves S/P on every
+    node at once (the rate is one node's), later hops and a restart from a
+    shared tier move S. A hop's rate is the smallest known of the
+    destination's bwlimit, its measured write and the source's measured read.
+    A bwlimit is a ceiling, not a rate (shown as <=): a hop fits ("yes") only
+    when both of its tiers were measured (--measure); at a ceiling it is "NO"
+    (even the ceiling is too slow) or "unknown", as is a hop with no rate. A
+    tier that cannot be measured is exit 3.
 
     \b
     EXAMPLES
-      ckptctl plan --checkpoint-size 1TB --save-seconds 60 --mtbf 2.8h --nodes 128
-      ckptctl plan --checkpoint warm:step-12000 --save-seconds 45 --mtbf 1d --interval 30m
-      ckptctl plan --checkpoint-size 800GiB --save-seconds 60 --mtbf 6h --measure warm --json
+      ckptctl plan --checkpoint-size 1TB --save-seconds 60 --mtbf 2.8h \\
+          --nodes 128
+      ckptctl plan --checkpoint-size 1TB --write-bandwidth 2GB/s \\
+          --node-mtbf 5y --nodes 512 --interval 30m
+      ckptctl plan --checkpoint warm:step-12000 --save-seconds 45 --mtbf 1d
+      ckptctl plan --checkpoint-size 800GiB --save-seconds 60 --mtbf 6h \\
+          --measure hot --measure warm --json
     """
     from ..errors import UsageError
     from ..ops.plan import TierInput, checkpoint_size as measure_size_of, measure_tier
@@ -117,11 +178,21 @@ def plan(
                          "--checkpoint URL")
     if checkpoint_size is not None and checkpoint is not None:
         raise UsageError("--checkpoint-size and --checkpoint both give the size: give one")
-    if save_seconds is None:
-        raise UsageError("give --save-seconds C (seconds one save blocks training)")
-    if mtbf is None:
-        raise UsageError("give --mtbf DUR (mean time between failures, e.g. 2.8h)")
+    if save_seconds is not None and write_bandwidth is not None:
+        raise UsageError("--save-seconds and --write-bandwidth both give the save time: "
+                         "give one")
+    if save_seconds is None and write_bandwidth is None:
+        raise UsageError("give --save-seconds C (seconds one save blocks training) or "
+                         "--write-bandwidth RATE (one node's write rate, e.g. 2GB/s)")
+    if mtbf is not None and node_mtbf is not None:
+        raise UsageError("--mtbf (the job's) and --node-mtbf (one node's) both give the "
+                         "MTBF: give one")
+    if mtbf is None and node_mtbf is None:
+        raise UsageError("give --mtbf DUR (the job's mean time between failures, e.g. 2.8h)"
+                         " or --node-mtbf DUR (one node's, e.g. 5y)")
     mtbf_s = _duration("--mtbf", mtbf)
+    node_mtbf_s = _duration("--node-mtbf", node_mtbf)
+    write_rate = _rate("--write-bandwidth", write_bandwidth)
     interval_s = _duration("--interval", interval)
     probe_size = _size("--measure-size", measure_size)
     if not measure_seconds > 0:
@@ -145,7 +216,11 @@ def plan(
             if t.name in wanted else None
         tiers.append(TierInput(t.name, t.url, t.bwlimit, m))
     r = do_plan(size, save_seconds, mtbf_s, nodes=nodes, interval_seconds=interval_s,
-                tiers=tiers, checkpoint_url=url)
+                tiers=tiers, checkpoint_url=url, node_mtbf_seconds=node_mtbf_s,
+                node_write_bytes_per_second=write_rate)
+    if not quiet:
+        for w in r.warnings:
+            print(f"ckptctl: warning: {w}", file=sys.stderr)
     if json:
         emit_json(r.to_dict())
         return
@@ -154,16 +229,45 @@ def plan(
     _show(r)
 
 
+def _long(seconds: float) -> str:
+    """``human_seconds``, in years too past one.
+
+    >>> _long(5 * YEAR)
+    '157,680,000.0 s (1825d, 5 y)'
+    >>> _long(90)
+    '90.0 s (1m30s)'
+    """
+    text = human_seconds(seconds)
+    return text[:-1] + f", {seconds / YEAR:.3g} y)" if seconds >= YEAR else text
+
+
 def _show(r) -> None:
     from ..ops.policy import format_duration
 
     src = f" ({r.checkpoint_url})" if r.checkpoint_url else ""
+    if r.save_source == "write-bandwidth":
+        save = (f"save C = S/(P x {human_rate(r.node_write_bytes_per_second)}) = "
+                f"{r.save_seconds:,.3g} s (--write-bandwidth: a lower bound)")
+    else:
+        save = f"save C = {r.save_seconds:g} s"
     say(f"checkpoint S = {human_bytes(r.checkpoint_bytes)} ({r.checkpoint_bytes:,} bytes){src}"
-        f" on P = {r.nodes} node{'s' if r.nodes != 1 else ''}; save C = {r.save_seconds:g} s;"
-        f" MTBF = {human_seconds(r.mtbf_seconds)}")
-    say(f"optimal interval tau* = sqrt(2 C MTBF) = {human_seconds(r.optimal_interval_seconds)}")
+        f" on P = {r.nodes} node{'s' if r.nodes != 1 else ''}; {save}")
+    if r.mtbf_source == "node":
+        say(f"MTBF M = node MTBF {_long(r.node_mtbf_seconds)} / {r.nodes} = "
+            f"{human_seconds(r.mtbf_seconds)} (--node-mtbf, independent node failures); "
+            f"C/M = {r.save_mtbf_ratio:.3g}")
+    else:
+        say(f"MTBF M = {_long(r.mtbf_seconds)} (--mtbf, the job's); "
+            f"C/M = {r.save_mtbf_ratio:.3g}")
+    if r.interval_formula == "young":
+        say(f"optimal interval tau* = sqrt(2 C M) = {human_seconds(r.optimal_interval_seconds)}"
+            " (Young, first order: C/M is small)")
+    else:
+        say(f"optimal interval tau* = {human_seconds(r.optimal_interval_seconds)} (Daly's "
+            f"higher-order estimate; Young's sqrt(2 C M) = "
+            f"{human_seconds(r.young_interval_seconds)} does not hold at this C/M)")
     say(f"overhead at the optimal interval: {r.overhead_optimal:.2%} "
-        f"({r.hours_lost_per_day_optimal:.2f} h lost per day)")
+        f"({r.hours_lost_per_day_optimal:.2f} h lost per day; Daly's expected-time model)")
     if r.chosen_interval_seconds is not None:
         say(f"overhead at the chosen interval {format_duration(r.chosen_interval_seconds)}: "
             f"{r.overhead_chosen:.2%} ({r.hours_lost_per_day_chosen:.2f} h lost per day)")
@@ -178,14 +282,28 @@ def _show(r) -> None:
             f"{m.read_seconds:.2f} s ({human_rate(m.read_bytes_per_second)})"
             + (", page cache dropped first" if m.cache_dropped else "")
             + "; test object removed")
+
+    def at_most(kind, rate):
+        return ("<= " if kind == "ceiling" else "") + human_rate(rate)
+
+    def at_least(kind, seconds):
+        return (">= " if kind == "ceiling" and seconds is not None else "") \
+            + human_seconds(seconds)
+
     if r.hops:
         rows = [[f"{h.src} -> {h.dst}",
                  human_bytes(h.bytes) + (f" x {h.streams} nodes" if h.streams > 1 else ""),
-                 human_rate(h.bytes_per_second), h.rate_source, human_seconds(h.drain_seconds),
+                 at_most(h.rate_kind, h.bytes_per_second), h.rate_source,
+                 at_least(h.rate_kind, h.drain_seconds),
                  {True: "yes", False: "NO", None: "unknown"}[h.fits]] for h in r.hops]
         print_table(["hop", "moves", "rate", "rate from", "drain", f"fits {which} tau"], rows)
     if r.recovery:
         rows = [[x.tier, human_bytes(x.bytes) + (" per node" if i == 0 and r.nodes > 1 else ""),
-                 human_rate(x.bytes_per_second), x.rate_source, human_seconds(x.seconds)]
+                 at_most(x.rate_kind, x.bytes_per_second), x.rate_source,
+                 at_least(x.rate_kind, x.seconds)]
                 for i, x in enumerate(r.recovery)]
         print_table(["recover from", "reads", "rate", "rate from", "time"], rows)
+    if any(h.rate_kind == "ceiling" for h in r.hops) or \
+            any(x.rate_kind == "ceiling" for x in r.recovery):
+        say("<= a ceiling (a bwlimit, or one end measured), not a rate: the real rate may "
+            "be lower; --measure both tiers of a hop to know whether it fits")

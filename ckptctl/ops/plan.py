@@ -1,6 +1,6 @@
-"""``plan``: the arithmetic behind the tiers (issue 11). How often to save, what it costs,
-whether each tier hop drains before the next save, what each node needs, how long a
-restart takes; plus :func:`measure_tier`, which times a bounded write and read at a tier.
+"""``plan``: the arithmetic behind the tiers (issues 11 and 21). How often to save, what it
+costs, whether each tier hop drains before the next save, what each node needs, how long
+a restart takes; plus :func:`measure_tier`, which times a bounded write and read at a tier.
 
 Pure arithmetic except :func:`measure_tier` and :func:`checkpoint_size`. Units: bytes,
 seconds, bytes per second. Every rate is one process's (one node's ``watch``, one
@@ -8,9 +8,22 @@ seconds, bytes per second. Every rate is one process's (one node's ``watch``, on
 each moving S/P bytes; later hops, and a restart from a shared tier, move S bytes at the
 tier's rate (conservative: as if the rate were the tier's total).
 
+The model (C the seconds one save blocks training, M the system MTBF, tau the compute
+time between saves; failures exponential, and they can strike during a save too):
+
+* interval: Young's first-order tau* = sqrt(2 C M) while C/M <= :data:`FIRST_ORDER_RATIO`,
+  else Daly's higher-order estimate (:func:`daly`; J. T. Daly, "A higher order estimate
+  of the optimum checkpoint interval for restart dumps", FGCS 22(3), 2006);
+* cost: Daly's expected wall-clock time, T_w = M (e^((tau+C)/M) - 1) per tau of work
+  (:func:`expected_efficiency`), which holds at any C, tau and M: the time lost is
+  1 - tau/T_w, never more than all of it (the first-order C/tau + tau/(2M) of
+  :func:`overhead` passes 100% once tau or C nears M);
+* refusal: C >= M, or an expected efficiency below :data:`MIN_EFFICIENCY` at the best
+  interval: no interval makes useful progress (a UsageError, exit 2).
+
 >>> r = plan(10**12, 60, 2.8 * 3600, nodes=128)
->>> round(r.optimal_interval_seconds, 1), round(r.overhead_optimal, 4)
-(1099.8, 0.1091)
+>>> round(r.optimal_interval_seconds, 1), r.interval_formula, round(r.overhead_optimal, 4)
+(1099.8, 'young', 0.1052)
 >>> r.node_bandwidth_bytes_per_second == 10**12 / (128 * r.interval_seconds)
 True
 """
@@ -30,10 +43,18 @@ MEASURE_BYTES = 64 << 20
 MEASURE_SECONDS = 5.0
 _BLOCK = 4 << 20
 DAY = 86400.0
+#: Up to this C/M Young's first-order interval is used (at 0.1 its expected efficiency is
+#: within 0.3 points of the model's optimum); above it, Daly's, with a warning.
+FIRST_ORDER_RATIO = 0.1
+#: Below this expected efficiency at the best interval (reached near C/M = 0.65), plan
+#: refuses: more than three quarters of the machine's time would be lost whatever the
+#: interval.
+MIN_EFFICIENCY = 0.25
 
 
 def young_daly(save_seconds: float, mtbf_seconds: float) -> float:
-    """The Young/Daly checkpoint interval tau* = sqrt(2 * C * MTBF), in seconds.
+    """Young's first-order checkpoint interval tau* = sqrt(2 * C * MTBF), in seconds
+    (holds while C is small against the MTBF; :func:`daly` is the higher-order one).
 
     >>> round(young_daly(60, 2.8 * 3600))      # C = 60 s, MTBF = 2.8 h (the issue's case)
     1100
@@ -43,9 +64,61 @@ def young_daly(save_seconds: float, mtbf_seconds: float) -> float:
     return math.sqrt(2.0 * save_seconds * mtbf_seconds)
 
 
+def daly(save_seconds: float, mtbf_seconds: float) -> float:
+    """Daly's higher-order optimum interval (FGCS 2006): with r = C / (2 M),
+    sqrt(2 C M) (1 + sqrt(r)/3 + r/9) - C for C < 2 M, else M. It tends to Young's
+    sqrt(2 C M) as C/M -> 0 and stays near the exact optimum of Daly's cost model where
+    Young's does not.
+
+    >>> daly(50, 10000)                        # 1000 (1 + 0.05/3 + 0.0025/9) - 50
+    966.9444444444445
+    >>> daly(20000, 10000), daly(30000, 10000)  # C >= 2M: tau = M
+    (10000, 10000)
+    """
+    c, m = save_seconds, mtbf_seconds
+    if c >= 2 * m:
+        return m
+    r = c / (2.0 * m)
+    return math.sqrt(2.0 * c * m) * (1.0 + math.sqrt(r) / 3.0 + r / 9.0) - c
+
+
+def expected_efficiency(save_seconds: float, interval_seconds: float, mtbf_seconds: float,
+                        restart_seconds: float = 0.0) -> float:
+    """Expected fraction of wall-clock time that is training, in Daly's model (FGCS
+    2006): tau of work costs M e^(R/M) (e^((tau+C)/M) - 1) of wall-clock time with
+    exponential failures of mean M that can strike during a save or a restart (R).
+    Always in [0, 1); 1 - it is :func:`expected_overhead`.
+
+    >>> round(expected_efficiency(50, 1000, 10000), 4)   # 0.1 / (e^0.105 - 1)
+    0.9033
+    >>> expected_efficiency(60, 86400 * 365, 3600)        # an interval of years: nothing
+    0.0
+    """
+    c, t, m = save_seconds, interval_seconds, mtbf_seconds
+    x = (t + c) / m
+    if x > 700:  # e^x overflows; the efficiency is 0 to double precision well before
+        return 0.0
+    return (t / m) * math.exp(-restart_seconds / m) / math.expm1(x)
+
+
+def expected_overhead(save_seconds: float, interval_seconds: float, mtbf_seconds: float,
+                      restart_seconds: float = 0.0) -> float:
+    """Expected fraction of wall-clock time lost (saving, and redoing the work since the
+    last save after each failure), 1 - :func:`expected_efficiency`: in [0, 1], so the time
+    lost per day is never more than a day.
+
+    >>> round(expected_overhead(50, 1000, 10000), 4), expected_overhead(3600, 86400, 60)
+    (0.0967, 1.0)
+    """
+    return 1.0 - expected_efficiency(save_seconds, interval_seconds, mtbf_seconds,
+                                     restart_seconds)
+
+
 def overhead(save_seconds: float, interval_seconds: float, mtbf_seconds: float) -> float:
-    """Expected fraction of time lost, C/tau + tau/(2 * MTBF): saving (C every tau) plus
-    the work redone after a failure (half an interval on average).
+    """First-order fraction of time lost, C/tau + tau/(2 * MTBF): saving (C every tau)
+    plus the work redone after a failure (half an interval on average). Holds only while
+    C and tau are small against the MTBF (it passes 1 beyond): :func:`plan` reports
+    :func:`expected_overhead`.
 
     >>> overhead(50, 1000, 10000)              # 0.05 + 0.05
     0.1
@@ -53,6 +126,27 @@ def overhead(save_seconds: float, interval_seconds: float, mtbf_seconds: float) 
     0.1226...
     """
     return save_seconds / interval_seconds + interval_seconds / (2.0 * mtbf_seconds)
+
+
+def system_mtbf(node_mtbf_seconds: float, nodes: int) -> float:
+    """The job's MTBF from a per-node one (as vendors quote it): with independent
+    exponential failures, P nodes fail P times as often, M = node MTBF / P.
+
+    >>> system_mtbf(5 * 365 * 86400, 128) / 3600    # 5 years per node, 128 nodes: 342 h
+    342.1875
+    """
+    return node_mtbf_seconds / nodes
+
+
+def save_seconds_from_bandwidth(size_bytes: int, nodes: int, node_bytes_per_second: float
+                                ) -> float:
+    """C from one node's write bandwidth to the first tier: every node writes its S/P at
+    once, C = S / (P B). A lower bound of the real save (serialisation, the barrier).
+
+    >>> save_seconds_from_bandwidth(10**12, 128, 2e9)  # 7.8 GB per node at 2 GB/s
+    3.90625
+    """
+    return size_bytes / (nodes * node_bytes_per_second)
 
 
 def node_bandwidth(size_bytes: int, nodes: int, interval_seconds: float) -> float:
@@ -101,6 +195,10 @@ class Measurement:
     read_seconds: float
     cache_dropped: bool = False
     removed: bool = True
+    #: what the rates were measured on when not this tier's own test object (watch: the
+    #: hop into it, the hop out of it); the figures' "rate from" column names it
+    write_source: str = ""
+    read_source: str = ""
 
     @property
     def write_bytes_per_second(self) -> float | None:
@@ -111,8 +209,18 @@ class Measurement:
         return self.read_bytes / self.read_seconds if self.read_seconds > 0 else None
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "write_bytes_per_second": self.write_bytes_per_second,
+        doc = {k: v for k, v in asdict(self).items()
+               if k not in ("write_source", "read_source") or v}
+        return {**doc, "write_bytes_per_second": self.write_bytes_per_second,
                 "read_bytes_per_second": self.read_bytes_per_second}
+
+    def source(self, what: str) -> str:
+        """Where the ``write`` or ``read`` rate comes from, for the "rate from" column.
+
+        >>> Measurement("warm", "", 1, 1.0, 1, 1.0).source("write")
+        'warm measured write'
+        """
+        return getattr(self, f"{what}_source") or f"{self.tier} measured {what}"
 
 
 @dataclass
@@ -131,7 +239,13 @@ class Hop:
     """Draining one checkpoint from tier ``src`` to ``dst``: ``bytes`` per stream (S/P
     from the node-local first tier, run on every node at once; S later), the rate (the
     smallest known of dst's bwlimit, dst's measured write, src's measured read) and
-    whether it fits in the interval."""
+    whether it fits in the interval.
+
+    ``rate_kind``: ``measured`` when both ends were measured (src's read and dst's write;
+    a bwlimit may cap them); ``ceiling`` when only a bwlimit or one end is known: the real
+    rate may be lower, so ``drain_seconds`` is the shortest the drain can take, and
+    ``fits`` is only ever False (not even the ceiling is fast enough) or None; ``unknown``
+    when nothing is known. ``fits`` is True only for a ``measured`` rate."""
 
     src: str
     dst: str
@@ -141,12 +255,14 @@ class Hop:
     rate_source: str
     drain_seconds: float | None
     fits: bool | None
+    rate_kind: str = "unknown"
 
 
 @dataclass
 class Recovery:
     """Reading a checkpoint back from ``tier`` at restart: S/P per node from the first
-    (node-local) tier, S from a shared one, at its measured read rate, else its bwlimit."""
+    (node-local) tier, S from a shared one, at its measured read rate, else its bwlimit
+    (a ceiling: ``seconds`` is then the shortest the read can take)."""
 
     tier: str
     bytes: int
@@ -154,11 +270,27 @@ class Recovery:
     rate_source: str
     seconds: float | None
 
+    @property
+    def rate_kind(self) -> str:
+        """``measured``, ``ceiling`` (a bwlimit) or ``unknown``, as :class:`Hop`'s.
+
+        >>> Recovery("warm", 1, 2.0, "warm bwlimit", 0.5).rate_kind
+        'ceiling'
+        """
+        if not self.bytes_per_second:
+            return "unknown"
+        return "measured" if "measured" in self.rate_source else "ceiling"
+
 
 @dataclass
 class PlanResult:
     """Every figure of ``ckptctl plan``; ``interval_seconds`` is the chosen interval when
-    one was given, else the optimal one, and is what drains are checked against."""
+    one was given, else the optimal one, and is what drains are checked against.
+    Overheads and efficiencies are Daly's expected wall-clock model's
+    (:func:`expected_overhead`); ``interval_formula`` says which interval the optimal one
+    is (``young`` or ``daly``); ``mtbf_source`` (``system``: ``--mtbf``; ``node``:
+    ``--node-mtbf`` / P) and ``save_source`` (``save-seconds``, ``write-bandwidth``) where
+    M and C came from; ``warnings`` one line each."""
 
     checkpoint_bytes: int
     nodes: int
@@ -176,6 +308,26 @@ class PlanResult:
     recovery: list[Recovery] = field(default_factory=list)
     measured: list[Measurement] = field(default_factory=list)
     checkpoint_url: str | None = None
+    interval_formula: str = "young"
+    young_interval_seconds: float = 0.0
+    mtbf_source: str = "system"
+    node_mtbf_seconds: float | None = None
+    save_source: str = "save-seconds"
+    node_write_bytes_per_second: float | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def save_mtbf_ratio(self) -> float:
+        """C / M: the first-order (Young) interval holds while it is small."""
+        return self.save_seconds / self.mtbf_seconds
+
+    @property
+    def efficiency_optimal(self) -> float:
+        return 1.0 - self.overhead_optimal
+
+    @property
+    def efficiency_chosen(self) -> float | None:
+        return None if self.overhead_chosen is None else 1.0 - self.overhead_chosen
 
     @property
     def hours_lost_per_day_optimal(self) -> float:
@@ -187,32 +339,63 @@ class PlanResult:
 
     @property
     def all_fit(self) -> bool | None:
-        """False when a hop is known not to fit; None when some drain is unknown."""
+        """False when a hop is known not to fit; None when some drain is unknown (or
+        there are no hops: nothing was checked); True when every hop fits."""
         fits = [h.fits for h in self.hops]
+        if not fits:
+            return None
         return False if False in fits else None if None in fits else True
 
     def to_dict(self) -> dict:
+        """The ``--json`` document: rates in whole bytes per second (the JSON vocabulary's
+        integers), durations in seconds, sizes in bytes."""
+        rates = ("bytes_per_second", "write_bytes_per_second", "read_bytes_per_second")
+
+        def whole(d: dict) -> dict:
+            return {k: _whole(v) if k in rates else v for k, v in d.items()}
+
         return {
             "optimal_interval_seconds": self.optimal_interval_seconds,
+            "interval_formula": self.interval_formula,
+            "young_interval_seconds": self.young_interval_seconds,
             "chosen_interval_seconds": self.chosen_interval_seconds,
             "interval_seconds": self.interval_seconds,
             "checkpoint_url": self.checkpoint_url,
             "checkpoint_bytes": self.checkpoint_bytes,
             "nodes": self.nodes,
             "save_seconds": self.save_seconds,
+            "save_source": self.save_source,
+            "node_write_bytes_per_second": _whole(self.node_write_bytes_per_second),
             "mtbf_seconds": self.mtbf_seconds,
+            "mtbf_source": self.mtbf_source,
+            "node_mtbf_seconds": self.node_mtbf_seconds,
+            "save_mtbf_ratio": self.save_mtbf_ratio,
+            "overhead_model": "daly",
             "overhead_optimal": self.overhead_optimal,
             "overhead_chosen": self.overhead_chosen,
+            "efficiency_optimal": self.efficiency_optimal,
+            "efficiency_chosen": self.efficiency_chosen,
             "hours_lost_per_day_optimal": self.hours_lost_per_day_optimal,
             "hours_lost_per_day_chosen": self.hours_lost_per_day_chosen,
-            "node_bandwidth_bytes_per_second": self.node_bandwidth_bytes_per_second,
-            "total_bandwidth_bytes_per_second": self.total_bandwidth_bytes_per_second,
+            "node_bandwidth_bytes_per_second": _whole(self.node_bandwidth_bytes_per_second),
+            "total_bandwidth_bytes_per_second": _whole(self.total_bandwidth_bytes_per_second),
             "local_capacity_bytes": self.local_capacity_bytes,
             "all_fit": self.all_fit,
-            "hops": [asdict(h) for h in self.hops],
-            "recovery": [asdict(r) for r in self.recovery],
-            "measured": [m.to_dict() for m in self.measured],
+            "hops": [whole(asdict(h)) for h in self.hops],
+            "recovery": [whole({**asdict(r), "rate_kind": r.rate_kind})
+                         for r in self.recovery],
+            "measured": [whole(m.to_dict()) for m in self.measured],
+            "warnings": list(self.warnings),
         }
+
+
+def _whole(rate: float | None) -> int | None:
+    """A rate for JSON: whole bytes per second (None stays None).
+
+    >>> _whole(7103446.94778621), _whole(None)
+    (7103447, None)
+    """
+    return None if rate is None else int(round(rate))
 
 
 def _slowest(*rates: tuple[float | None, str]) -> tuple[float | None, str]:
@@ -220,78 +403,144 @@ def _slowest(*rates: tuple[float | None, str]) -> tuple[float | None, str]:
     return min(known, key=lambda x: x[0]) if known else (None, "unknown")
 
 
-def plan(size_bytes: int, save_seconds: float, mtbf_seconds: float, *, nodes: int = 1,
+def _pct(x: float) -> str:
+    return f"{x:.0%}" if x >= 0.1 else f"{x * 100:.2g}%"
+
+
+def plan(size_bytes: int, save_seconds: float | None = None,
+         mtbf_seconds: float | None = None, *, nodes: int = 1,
          interval_seconds: float | None = None, tiers: list[TierInput] | tuple = (),
-         checkpoint_url: str | None = None) -> PlanResult:
+         checkpoint_url: str | None = None, node_mtbf_seconds: float | None = None,
+         node_write_bytes_per_second: float | None = None) -> PlanResult:
     """Every figure for a checkpoint of ``size_bytes`` on ``nodes`` nodes that blocks
-    training ``save_seconds`` per save, with failures every ``mtbf_seconds`` on average,
-    over ``tiers`` (hottest first; the first is node-local). Inputs out of range are a
-    UsageError.
+    training ``save_seconds`` per save (or S / (P ``node_write_bytes_per_second``)), with
+    failures every ``mtbf_seconds`` on average (or ``node_mtbf_seconds`` / P), over
+    ``tiers`` (hottest first; the first is node-local). Inputs out of range, both or
+    neither of a pair, and a save time no interval makes progress at are a UsageError.
 
     >>> r = plan(4 * 10**11, 50, 10000, nodes=4, interval_seconds=2000,
     ...          tiers=[TierInput("hot"), TierInput("warm", bwlimit=2e8)])
-    >>> r.optimal_interval_seconds, r.overhead_optimal, r.overhead_chosen
-    (1000.0, 0.1, 0.125)
-    >>> h = r.hops[0]; (h.bytes, h.bytes_per_second, h.drain_seconds, h.fits)
-    (100000000000, 200000000.0, 500.0, True)
+    >>> r.optimal_interval_seconds, round(r.overhead_optimal, 4), round(r.overhead_chosen, 4)
+    (1000.0, 0.0967, 0.121)
+    >>> h = r.hops[0]; (h.bytes, h.bytes_per_second, h.drain_seconds, h.rate_kind, h.fits)
+    (100000000000, 200000000.0, 500.0, 'ceiling', None)
     >>> r.node_bandwidth_bytes_per_second, r.local_capacity_bytes
     (50000000.0, 200000000000)
+    >>> plan(10**12, 60, node_mtbf_seconds=5 * 365 * 86400, nodes=128).mtbf_seconds
+    1231875.0
     >>> plan(1, 0, 10)
     Traceback (most recent call last):
     ckptctl.errors.UsageError: --save-seconds must be more than 0, not 0
+    >>> plan(10**12, 3600, 3600)               # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: save time C = 3600 s is 100% of the MTBF M = 3600 s: ...
     """
     _positive(size_bytes, "the checkpoint size")
-    _positive(save_seconds, "--save-seconds")
-    _positive(mtbf_seconds, "--mtbf")
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise UsageError(f"--nodes must be a whole number >= 1, not {nodes!r}")
+    if (save_seconds is None) == (node_write_bytes_per_second is None):
+        raise UsageError("give one of --save-seconds C and --write-bandwidth RATE"
+                         if save_seconds is not None else
+                         "give --save-seconds C (seconds one save blocks training) or "
+                         "--write-bandwidth RATE (one node's write rate to the first tier)")
+    if (mtbf_seconds is None) == (node_mtbf_seconds is None):
+        raise UsageError("give one of --mtbf (the job's) and --node-mtbf (one node's)"
+                         if mtbf_seconds is not None else
+                         "give --mtbf DUR (the job's mean time between failures, e.g. "
+                         "2.8h) or --node-mtbf DUR (one node's, e.g. 5y)")
+    if node_write_bytes_per_second is not None:
+        _positive(node_write_bytes_per_second, "--write-bandwidth")
+        save_seconds = save_seconds_from_bandwidth(size_bytes, nodes,
+                                                   node_write_bytes_per_second)
+    _positive(save_seconds, "--save-seconds")
+    if node_mtbf_seconds is not None:
+        _positive(node_mtbf_seconds, "--node-mtbf")
+        mtbf_seconds = system_mtbf(node_mtbf_seconds, nodes)
+    _positive(mtbf_seconds, "--mtbf")
     if interval_seconds is not None:
         _positive(interval_seconds, "--interval")
-    best = young_daly(save_seconds, mtbf_seconds)
-    tau = interval_seconds if interval_seconds is not None else best
+    c, m = float(save_seconds), float(mtbf_seconds)
+    ratio = c / m
+    young = young_daly(c, m)
+    formula, best = ("young", young) if ratio <= FIRST_ORDER_RATIO else ("daly", daly(c, m))
+    eff_best = expected_efficiency(c, best, m)
+    if ratio >= 1 or eff_best < MIN_EFFICIENCY:
+        raise UsageError(
+            f"save time C = {c:g} s is {_pct(ratio)} of the MTBF M = {m:g} s: no checkpoint "
+            f"interval makes useful progress (at best {_pct(eff_best)} of the time trains; "
+            f"plan refuses below {MIN_EFFICIENCY:.0%}): shorten the save or raise the MTBF")
+    warnings = []
+    if formula == "daly":
+        warnings.append(
+            f"save time C is {_pct(ratio)} of the MTBF (C/M = {ratio:.3g} > "
+            f"{FIRST_ORDER_RATIO:g}): the first-order (Young) interval does not hold; "
+            "Daly's higher-order interval is used")
+    tau = float(interval_seconds) if interval_seconds is not None else best
+    if interval_seconds is not None and tau > m:
+        warnings.append(
+            f"the chosen interval is {tau / m:.3g} x the MTBF: most intervals end in a "
+            f"failure (expected efficiency {_pct(expected_efficiency(c, tau, m))})")
     hops, recovery = drains(size_bytes, tiers, nodes=nodes, interval_seconds=tau)
     return PlanResult(
-        size_bytes, nodes, float(save_seconds), float(mtbf_seconds), best,
-        None if interval_seconds is None else float(interval_seconds), float(tau),
-        overhead(save_seconds, best, mtbf_seconds),
-        None if interval_seconds is None else overhead(save_seconds, tau, mtbf_seconds),
+        size_bytes, nodes, c, m, best,
+        None if interval_seconds is None else tau, tau,
+        1.0 - eff_best,
+        None if interval_seconds is None else expected_overhead(c, tau, m),
         node_bandwidth(size_bytes, nodes, tau), size_bytes / tau,
         local_capacity(size_bytes, nodes), hops, recovery,
-        [t.measured for t in tiers if t.measured], checkpoint_url)
+        [t.measured for t in tiers if t.measured], checkpoint_url,
+        interval_formula=formula, young_interval_seconds=young,
+        mtbf_source="system" if node_mtbf_seconds is None else "node",
+        node_mtbf_seconds=None if node_mtbf_seconds is None else float(node_mtbf_seconds),
+        save_source="save-seconds" if node_write_bytes_per_second is None
+        else "write-bandwidth",
+        node_write_bytes_per_second=None if node_write_bytes_per_second is None
+        else float(node_write_bytes_per_second),
+        warnings=warnings)
 
 
 def drains(size_bytes: int, tiers: list[TierInput] | tuple, *, nodes: int = 1,
            interval_seconds: float | None = None) -> tuple[list[Hop], list[Recovery]]:
     """The tier hops of a checkpoint of ``size_bytes`` (each checked against
     ``interval_seconds`` when given) and the recovery from each tier, as :func:`plan`
-    reports them; ``watch --status`` calls it with the rates watch measured.
+    reports them; ``watch --status`` calls it with the rates watch measured. A hop fits
+    only at a measured rate (both ends); at a ceiling (a bwlimit, or one end measured) it
+    is either known not to fit or unknown (see :class:`Hop`).
 
     >>> hops, rec = drains(10**9, [TierInput("hot"), TierInput("warm", bwlimit=1e8)],
     ...                    interval_seconds=5)
-    >>> (hops[0].drain_seconds, hops[0].fits), [r.seconds for r in rec]
-    ((10.0, False), [None, 10.0])
+    >>> (hops[0].drain_seconds, hops[0].rate_kind, hops[0].fits), [r.seconds for r in rec]
+    ((10.0, 'ceiling', False), [None, 10.0])
+    >>> drains(10**9, [TierInput("hot"), TierInput("warm", bwlimit=1e9)],
+    ...        interval_seconds=5)[0][0].fits is None  # 1 s at best, if warm does 1 GB/s
+    True
     """
     tau = interval_seconds
     tiers = list(tiers)
     hops = []
     for i in range(1, len(tiers)):
         src, dst = tiers[i - 1], tiers[i]
-        rate, why = _slowest(
-            (dst.bwlimit, f"{dst.name} bwlimit"),
-            (dst.measured.write_bytes_per_second if dst.measured else None,
-             f"{dst.name} measured write"),
-            (src.measured.read_bytes_per_second if src.measured else None,
-             f"{src.name} measured read"))
+        read = src.measured.read_bytes_per_second if src.measured else None
+        write = dst.measured.write_bytes_per_second if dst.measured else None
+        rate, why = _slowest((dst.bwlimit, f"{dst.name} bwlimit"),
+                             (write, dst.measured.source("write") if dst.measured else ""),
+                             (read, src.measured.source("read") if src.measured else ""))
+        kind = "unknown" if rate is None else "measured" if read and write else "ceiling"
         streams = nodes if i == 1 else 1
         nbytes = -(-size_bytes // streams)
         t = drain_seconds(nbytes, rate)
-        hops.append(Hop(src.name, dst.name, nbytes, streams, rate, why, t,
-                        None if t is None or tau is None else t <= tau))
+        if t is None or tau is None:
+            fits = None
+        elif kind == "measured":
+            fits = t <= tau
+        else:  # a ceiling: the real drain takes at least t
+            fits = False if t > tau else None
+        hops.append(Hop(src.name, dst.name, nbytes, streams, rate, why, t, fits, kind))
     recovery = []
     for i, t in enumerate(tiers):
         rate, why = _slowest(
             (t.measured.read_bytes_per_second if t.measured else None,
-             f"{t.name} measured read"))
+             t.measured.source("read") if t.measured else ""))
         if rate is None:
             rate, why = _slowest((t.bwlimit, f"{t.name} bwlimit"))
         nbytes = -(-size_bytes // nodes) if i == 0 else size_bytes

@@ -49,17 +49,20 @@ COMMITTED = ("sealed", "complete")
 #: S3 multipart upload abandoned for a day is what lifecycle rules usually abort.
 DEFAULT_GRACE = "24h"
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdw])")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400, "y": 365 * 86400}
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)([smhdwy])")
 _KEYS = ("last", "every", "within", "hourly", "daily", "tags")
 
 
 def parse_duration(text: str | int | float) -> float:
-    """Seconds in a duration: ``30d``, ``12h``, ``90m``, ``1d12h``, ``2w``, ``45s`` (``m``
-    is minutes), or a plain number of seconds. UsageError (exit 2) on anything else.
+    """Seconds in a duration: ``30d``, ``12h``, ``90m``, ``1d12h``, ``2w``, ``5y`` (365 d),
+    ``45s`` (``m`` is minutes), or a plain number of seconds. UsageError (exit 2) on
+    anything else.
 
     >>> parse_duration("30d"), parse_duration("1h30m"), parse_duration("90"), parse_duration(5)
     (2592000.0, 5400.0, 90.0, 5.0)
+    >>> parse_duration("1.5y") == 1.5 * 365 * 86400
+    True
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         value = float(text)
@@ -70,7 +73,7 @@ def parse_duration(text: str | int | float) -> float:
         except ValueError:
             parts = _DURATION.findall(s)
             if not parts or "".join(n + u for n, u in parts) != s:
-                raise UsageError(f"not a duration: {text!r} (try 30d, 12h, 90m, 1d12h, 45s)") \
+                raise UsageError(f"not a duration: {text!r} (try 5y, 30d, 12h, 90m, 1d12h, 45s)") \
                     from None
             value = sum(float(n) * _UNITS[u] for n, u in parts)
     if not math.isfinite(value) or value < 0:

@@ -250,9 +250,10 @@ class MeasuredPlan:
     """``plan``'s figures from what watch measured (``watch --status``): S the newest
     first-tier checkpoint's bytes (in multi-node, this node's part: the figures are then
     per node), tau the median gap between the last first-tier arrivals, each tier's rates
-    from its newest hops (``measured write``: the hop into it; ``measured read``: the hop
-    out of it; a tier nothing is read from yet is recovered at its write rate). No save
-    time or MTBF is known here: the optimal interval is ``ckptctl plan``'s."""
+    from its newest hops, each labelled by the hop it was measured on (``measured on hot
+    -> warm``: warm's write and hot's read; a tier nothing is read from yet is recovered
+    at its write rate, "(a write)"). No save time or MTBF is known here: the optimal
+    interval is ``ckptctl plan``'s."""
 
     checkpoint: str
     checkpoint_bytes: int
@@ -265,13 +266,15 @@ class MeasuredPlan:
 
     @property
     def all_fit(self) -> bool | None:
+        """False when a hop does not fit, True when every one does, None when one is
+        unknown or there is no hop (nothing was checked)."""
         fits = [h.fits for h in self.hops]
-        return False if False in fits else None if None in fits else True
+        return False if False in fits else None if None in fits or not fits else True
 
     def to_dict(self) -> dict:
         return {**{k: v for k, v in asdict(self).items() if k not in ("hops", "recovery")},
                 "all_fit": self.all_fit, "hops": [asdict(h) for h in self.hops],
-                "recovery": [asdict(r) for r in self.recovery]}
+                "recovery": [{**asdict(r), "rate_kind": r.rate_kind} for r in self.recovery]}
 
 
 def measured_plan(config: Config, doc: dict | None) -> MeasuredPlan | None:
@@ -306,14 +309,16 @@ def measured_plan(config: Config, doc: dict | None) -> MeasuredPlan | None:
         out = last.get((t.name, names[i + 1])) if i + 1 < len(names) else None
         m = None if not (into or out) else Measurement(
             t.name, t.url, into["bytes"] if into else 0, into["seconds"] if into else 0.0,
-            out["bytes"] if out else 0, out["seconds"] if out else 0.0)
+            out["bytes"] if out else 0, out["seconds"] if out else 0.0,
+            write_source=f"measured on {names[i - 1]} -> {t.name}" if into else "",
+            read_source=f"measured on {t.name} -> {names[i + 1]}" if out else "")
         tiers.append(TierInput(t.name, t.url, t.bwlimit, m))
     size = int(newest["bytes"])
     hops, recovery = drains(size, tiers, interval_seconds=tau)
     for r, t in zip(recovery, tiers):
         write = t.measured.write_bytes_per_second if t.measured else None
         if r.bytes_per_second is None and write:
-            r.bytes_per_second, r.rate_source = write, f"{t.name} measured write"
+            r.bytes_per_second, r.rate_source = write, t.measured.source("write") + " (a write)"
             r.seconds = drain_seconds(r.bytes, write)
     return MeasuredPlan(newest["name"], size, tau, len(gaps),
                         None if tau is None else node_bandwidth(size, 1, tau),
