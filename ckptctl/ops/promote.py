@@ -355,7 +355,10 @@ def promote(src: str, dst: str, src_options: dict | None = None,
         _check_landed(d.work, man)  # killed between sealing the work folder and its rename
         d._publish()
         return _finish(result, sstore, sfiles, d, delete_source, t0)
-    journal = Journal(None if dry_run else d.journal_path(), {"source": man.id}, durable=not d.local)
+    header = {"source": man.id}
+    # a dry run reads what a killed run recorded, and writes nothing
+    journal = (Journal.peek(d.journal_path(), header) if dry_run and state == "resume"
+               else Journal(None if dry_run else d.journal_path(), header, durable=not d.local))
     if state == "resume" and (not d.local or d.ours()):
         _adopt_published(journal, present, man)
     elif state == "resume" and not journal.resumed and not dry_run:
@@ -365,7 +368,7 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     todo = [rel for rel in man.files
             if journal.files.get(rel) != (man.files[rel].hash, man.files[rel].size)]
     result.to_send = write_order(todo, {r: f.size for r, f in man.files.items()})
-    result.bytes_to_send = sum(man.files[r].size for r in todo)
+    result.bytes_to_send = sum(journal.pending_bytes(r, man.files[r].size) for r in todo)
     result.files_skipped = len(man.files) - len(todo)
     if dry_run:
         result.action = "dry-run"

@@ -86,6 +86,37 @@ class Journal:
         if fresh:
             self._append({"header": self.header}, sync=True)
 
+    @classmethod
+    def peek(cls, path: str, header: dict) -> "Journal":
+        """What the journal at ``path`` records for the transfer ``header`` names, read
+        and never written (nothing when it is absent or another transfer's): a dry run.
+
+        >>> Journal.peek("/no/such/journal.jsonl", {"source": "x"}).resumed
+        False
+        """
+        j = cls(None, header)
+        j.path = path
+        try:
+            if not j._load():
+                j.files, j.uploads = {}, {}
+        except OSError:
+            pass
+        j.path = None
+        return j
+
+    def pending_bytes(self, rel: str, size: int) -> int:
+        """Bytes of the file ``rel`` (``size`` bytes) a rerun still sends: 0 when it is
+        done, less the parts of its unfinished upload that are recorded.
+
+        >>> j = Journal(None, {}); j.uploads["a"] = UploadRecord("U", 4)
+        >>> j.uploads["a"].parts[1] = PartRecord("e", 4, "h"); j.pending_bytes("a", 10)
+        6
+        """
+        if rel in self.files:
+            return 0
+        up = self.uploads.get(rel)
+        return size - (sum(p.size for p in up.parts.values()) if up else 0)
+
     @property
     def resumed(self) -> bool:
         return bool(self.files or self.uploads)
