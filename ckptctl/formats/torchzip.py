@@ -167,6 +167,12 @@ class StoredTensor:
     def numel(self) -> int:
         return math.prod(self.size)
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """``size`` under torch's other name: nested values are walked alike whether
+        their tensors are loaded or stand-ins (a list of them is descended into)."""
+        return self.size
+
     def is_row_major(self) -> bool:
         """Dense row-major from ``storage_offset`` on (torch's ``is_contiguous``: strides
         of size-1 dims do not matter)."""
