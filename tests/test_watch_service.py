@@ -248,25 +248,32 @@ def test_watch_under_a_notify_socket_scraped_while_training_saves(tmp_path):
     assert sorted(e["step"] for e in promoted) == [25, 50, 75, 100]
 
 
+def _drain_when(tmp_path: Path, cfg: Path, ready, *args: str) -> tuple[str, str]:
+    """Start watch, send the drain signal once ``ready(status)``; it must exit 0 by
+    itself: (stdout, stderr)."""
+    from ckptctl.ops.watch import read_status
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    proc = _watch(cfg, env, *args)
+    try:
+        assert _wait_for(lambda: ready(read_status(str(cfg)) or {}), timeout=120)
+        proc.send_signal(signal.SIGUSR1)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    return out, err
+
+
 def test_drain_signal_during_a_backlog_commits_the_newest_and_exits_0(tmp_path):
     # a backlog the loop will not touch for an hour: complete, unsealed, settling
     cfg = _config(tmp_path, hot_keep=5, warm_keep=5)
     hot, warm = tmp_path / "hot", tmp_path / "warm"
     for s in (100, 200, 300):
         _step(hot, s)
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    proc = _watch(cfg, env, "--settle", "3600")
-    try:
-        from ckptctl.ops.watch import read_status
-
-        assert _wait_for(lambda: len((read_status(str(cfg)) or {}).get("queued") or []) == 3,
-                         timeout=120)
-        proc.send_signal(signal.SIGUSR1)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
+    out, err = _drain_when(tmp_path, cfg, lambda st: len(st.get("queued") or []) == 3,
+                           "--settle", "3600")
     assert _names(str(warm)) == {"step-300": "sealed"}  # the newest, ahead of the backlog
     assert "drained step-300: hot -> warm" in out
     drained = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
@@ -280,18 +287,7 @@ def test_drain_signal_in_the_middle_of_a_hop_still_drains_the_newest(tmp_path):
     hot, warm = tmp_path / "hot", tmp_path / "warm"
     for s in (100, 200):
         _step(hot, s)
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
-    proc = _watch(cfg, env, "--settle", "0")
-    try:
-        from ckptctl.ops.watch import read_status
-
-        assert _wait_for(lambda: (read_status(str(cfg)) or {}).get("in_flight"), timeout=120)
-        proc.send_signal(signal.SIGUSR1)
-        out, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, err
+    out, err = _drain_when(tmp_path, cfg, lambda st: st.get("in_flight"), "--settle", "0")
     assert _names(str(warm)).get("step-200") == "sealed", out
     assert run_cli("verify", str(warm / "step-200"), "--level", "full")[0] == 0
 
