@@ -53,7 +53,10 @@ def manifest_for(ck, hashes: dict[str, tuple[str, int]], *, algo: str = "xxh3-12
                  step: int | None = None, tags: list[str] | None = None,
                  base: str | None = None) -> Manifest:
     """The manifest of checkpoint ``ck`` whose files hash to ``hashes`` (file ->
-    (digest, size)), with a summary of its logical model.
+    (digest, size)), with a summary of its logical model. ``created`` is when its newest
+    file was written (its store's modification times; now where it keeps none): the same
+    whoever seals it and whenever, so a writer that seals as it saves and a later ``seal``
+    write the same bytes.
 
     >>> manifest_for(ck, {"__0_0.distcp": ("9f2c...", 4096)}, step=20).id   # doctest: +SKIP
     'xxh3-128:5c1f...'
@@ -61,13 +64,17 @@ def manifest_for(ck, hashes: dict[str, tuple[str, int]], *, algo: str = "xxh3-12
     from .inspect import summarize
 
     s = summarize(ck)
+    store = getattr(ck, "store", None)
+    written = store.newest_modified(hashes) if store is not None else None
+    when = (dt.datetime.fromtimestamp(written, dt.timezone.utc) if written is not None
+            else dt.datetime.now(dt.timezone.utc))
     summary = {"num_tensors": s.num_tensors, "num_objects": s.num_objects,
                "num_params": s.num_params, "total_bytes": sum(n for _, n in hashes.values()),
                "logical_digest": logical_digest(ck)}
     return Manifest(files={rel: FileEntry(size, digest)
                            for rel, (digest, size) in sorted(hashes.items())},
                     hash=algo, format=ck.format, step=step, tags=sorted(set(tags or [])),
-                    created=dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+                    created=when.strftime("%Y-%m-%dT%H:%M:%SZ"),
                     summary=summary, tool=f"ckptctl {__version__}", base=base)
 
 

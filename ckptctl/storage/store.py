@@ -492,6 +492,28 @@ class Store:
         with self._errors(rel):
             return self._mtime(rel)
 
+    def newest_modified(self, rels) -> float | None:
+        """The latest modification time among the files ``rels`` (seconds since the
+        epoch), None where the store keeps none: what a listing showed, one listing more
+        when it did not show them all (a remote store; a local one stats each file).
+
+        >>> open_store(str(tmp)).newest_modified(["a.bin", "b.bin"])   # doctest: +SKIP
+        1764806400.0
+        """
+        rels = list(rels)
+        with self._lock:
+            missing = [r for r in rels if r not in self._mtimes]
+        if missing and not self.is_local:
+            self.list_files()
+        times = []
+        for rel in rels:
+            try:
+                times.append(self.modified(rel))
+            except CkptError:
+                times.append(None)
+        known = [t for t in times if t is not None]
+        return max(known) if known else None
+
     def _mtime(self, rel: str) -> float | None:
         try:
             ts = self.fs.modified(self.full(rel))
