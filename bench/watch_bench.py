@@ -110,7 +110,7 @@ def run_one(mode: str, rep: int, work: Path, srv, a, log) -> dict:
                 time.sleep(0.5)
             done = [x for x in st.get("done") or [] if x["dst"] == "cold"]
             out["drained_after"] = max(0.0, max(
-                calendar.timegm(time.strptime(x["time"], "%Y-%m-%dT%H:%M:%SZ"))
+                calendar.timegm(time.strptime(x["finished"], "%Y-%m-%dT%H:%M:%SZ"))
                 for x in done) - train_end) if done else 0.0
             out["hops"] = len(st.get("done") or [])
             watch.send_signal(signal.SIGTERM)

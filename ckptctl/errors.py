@@ -20,8 +20,7 @@ EXIT_INTERRUPTED = 130
 #: The exit-code table, written once: the CLI's EXIT STATUS help and the man page use it.
 EXIT_CODES: tuple[tuple[int, str], ...] = (
     (EXIT_OK, "success (verify: nothing wrong; diff: no difference)"),
-    (EXIT_FINDING, "a finding (verify found a problem, diff a difference, seal refused an "
-                   "inconsistent checkpoint)"),
+    (EXIT_FINDING, "a finding (verify: a problem; diff: a difference; seal: refused)"),
     (EXIT_USAGE, "usage error"),
     (EXIT_OPERATIONAL, "operational error (not found, I/O, unreadable or unsupported input)"),
     (EXIT_INTERRUPTED, "interrupted"),
@@ -32,7 +31,7 @@ def exit_status_text() -> str:
     """The exit-code table as the CLI's help shows it (click keeps a ``\\b`` block as is).
 
     >>> print(exit_status_text().splitlines()[3])
-      1  a finding (verify found a problem, diff a difference, seal refused an inconsistent checkpoint)
+      1  a finding (verify: a problem; diff: a difference; seal: refused)
     """
     rows = [f"  {code:<2} {meaning}" for code, meaning in EXIT_CODES]
     return "\n".join(["\b", "EXIT STATUS", *rows])

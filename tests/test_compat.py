@@ -138,7 +138,7 @@ def test_seal_then_verify(fx, cli, tmp_path):
     assert code == 0, out + err
     r = _json(cli, "verify", str(ck), "--level", "full")
     assert r["ok"] and r["sealed"] and r["problems"] == [], r
-    assert r["files_checked"] == len(list(fx.folder.iterdir()))  # every file the writer wrote
+    assert r["num_files"] == len(list(fx.folder.iterdir()))  # every file the writer wrote
 
 
 def test_ls_lists_every_fixture_complete(thirdparty_ckpts, cli, tmp_path):

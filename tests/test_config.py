@@ -477,7 +477,8 @@ def test_tiers_prints_resolved_config_masks_secrets_and_probes(cli, tmp_path, s3
     doc = json.loads(cli("tiers", "--config", str(f), "--json")[1])
     assert doc["ok"] is True and doc["config"] == str(f)
     cold = doc["tiers"][1]
-    assert (cold["order"], cold["name"], cold["url"], cold["bwlimit"], cold["pack"],
+    assert (cold["order"], cold["name"], cold["url"], cold["bwlimit_bytes_per_second"],
+            cold["pack"],
             cold["keep"], cold["ok"]) == (2, "cold", s3_bucket.url("run1"), 200 * 2**20, True,
                                           {"every": 10000, "within": "30d"}, True)
     assert cold["storage_options"] == {"endpoint_url": o["endpoint_url"], "key": "***",

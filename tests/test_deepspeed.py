@@ -385,7 +385,7 @@ def test_ls_latest_and_verify_of_a_save_folder(deepspeed_ckpts, cli):
     assert (code, err) == (0, "") and out.strip().endswith("/global_step3"), out
     assert Path(out.strip()).resolve() == v.tag_dir.resolve()
     r = _json(cli, "verify", str(v.tag_dir), "--level", "full")
-    assert r["ok"] and r["problems"] == [] and r["files_checked"] == 3 and r["files_read"] == 3
+    assert r["ok"] and r["problems"] == [] and r["num_files"] == 3 and r["files_read"] == 3
     assert r["tensors_checked"] == 33
 
 
@@ -401,7 +401,7 @@ def test_seal_pack_and_promote(deepspeed_ckpts, run, cli, tmp_path):
     code, out, err = cli("seal", str(tag))
     assert code == 0, out + err
     r = _json(cli, "verify", str(tag), "--level", "full")
-    assert (r["ok"], r["sealed"], r["content"], r["step"], r["files_checked"]) == \
+    assert (r["ok"], r["sealed"], r["content"], r["step"], r["num_files"]) == \
         (True, True, "hashes", 3, 3), r
     assert _json(cli, "inspect", str(tag))["step_source"] == "manifest"
     pk = tmp_path / "packs" / "global_step3"

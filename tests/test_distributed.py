@@ -476,7 +476,7 @@ def test_verify_full_torchrun_gathers_findings(one_proc, tmp_path):
     got = docs[0]
     assert ("HASH_MISMATCH", str(ck / "__1_0.distcp"), None) in _findings(got)
     assert _findings(got) == _findings(want)
-    for key in ("ok", "files_read", "tensors_checked", "content", "bytes_read", "files_checked"):
+    for key in ("ok", "files_read", "tensors_checked", "content", "bytes_read", "num_files"):
         assert got[key] == want[key], key
     assert [docs[r]["files_read"] for r in (1, 2, 3)] == [2, 2, 1]
 

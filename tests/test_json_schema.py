@@ -1,10 +1,10 @@
 """``--json`` is one schema across commands (issue 8, item 2; README "JSON output"):
 
-* every document carries ``"schema_version": 1``;
+* every document carries ``"schema_version": 2`` (2: issue 21's one vocabulary renamed keys);
 * the same key means the same thing everywhere: ``url`` (the checkpoint's URL; ``src`` and
   ``dst`` for conversions), ``bytes`` (a byte count), ``files`` (always a list of names),
   ``num_files`` (always a count), ``seconds`` (a duration), times as ISO-8601 UTC strings;
-* on failure stdout holds ``{"schema_version": 1, "error": {code, exit_code, message,
+* on failure stdout holds ``{"schema_version": 2, "error": {code, exit_code, message,
   path}}`` beside the one line on stderr.
 
 Every command is run through the CLI on a real DCP checkpoint that torch wrote, success
@@ -47,7 +47,7 @@ def _walk(doc, where="$"):
 
 
 def _check_schema(doc: dict) -> None:
-    assert doc["schema_version"] == 1
+    assert doc["schema_version"] == 2
     assert next(iter(doc)) == "schema_version"  # first, so `head` shows it
     for where, d in _walk(doc):
         for k, v in d.items():
@@ -73,7 +73,7 @@ def _json_error(cli, code_, *args) -> dict:
     code, out, err = cli(*args, "--json")
     assert code == code_, (code, out, err)
     doc = json.loads(out)
-    assert set(doc) == {"schema_version", "error"} and doc["schema_version"] == 1, doc
+    assert set(doc) == {"schema_version", "error"} and doc["schema_version"] == 2, doc
     e = doc["error"]
     assert set(e) == ERROR_KEYS and e["exit_code"] == code, e
     assert isinstance(e["code"], str) and e["code"].isupper() and e["message"], e
@@ -124,7 +124,7 @@ def test_verify_json(cli, run):
     ck = run / "step-42"
     doc = _json_ok(cli, "verify", str(ck), "--level", "full")
     assert doc["url"] == str(ck) and doc["ok"] is True and doc["problems"] == []
-    assert doc["step"] == 42 and doc["files_checked"] == len(_sizes(ck))
+    assert doc["step"] == 42 and doc["num_files"] == len(_sizes(ck))
 
 
 def test_seal_json(cli, run):
@@ -231,9 +231,10 @@ def test_tiers_json(cli, run, tmp_path):
                  f'[[tier]]\nname = "cold"\nurl = "{tmp_path / "cold"}"\nbwlimit = "1MiB/s"\n')
     doc = _json_ok(cli, "tiers", "--config", str(f))
     assert doc["config"] == str(f) and doc["ok"] is True and doc["checked"] is True
-    assert [(t["name"], t["url"], t["bwlimit"], t["keep"], t["ok"]) for t in doc["tiers"]] == [
-        ("hot", str(run), None, {"last": 2}, True),
-        ("cold", str(tmp_path / "cold"), float(1 << 20), None, True)]
+    assert [(t["name"], t["url"], t["bwlimit_bytes_per_second"], t["keep"], t["ok"])
+            for t in doc["tiers"]] == [("hot", str(run), None, {"last": 2}, True),
+                                       ("cold", str(tmp_path / "cold"), 1 << 20, None, True)]
+    assert isinstance(doc["tiers"][1]["bwlimit_bytes_per_second"], int)
     assert all(isinstance(t["seconds"], float) for t in doc["tiers"])
 
 
@@ -312,7 +313,7 @@ def test_pack_json(cli, run, tmp_path):
     assert sum(doc["chunks"].values()) > 0 and set(doc["chunks"]) <= {"zstd", "planes"}
     back = _json_ok(cli, "unpack", str(dst), str(tmp_path / "back"))
     assert (back["src"], back["dst"]) == (str(dst), str(tmp_path / "back"))
-    assert back["manifest_id"] == doc["source_id"] and back["bytes"] == doc["bytes_in"]
+    assert back["manifest_id"] == doc["manifest_id"] and back["bytes"] == doc["bytes_in"]
     assert _sizes(tmp_path / "back") == _sizes(src)
 
 
@@ -383,7 +384,7 @@ def test_interrupted_json_error(tmp_path):
     assert p.returncode == 130, (out, err)
     assert err.strip().splitlines() == ["ckptctl: interrupted"], err
     doc = json.loads(out)
-    assert doc == {"schema_version": 1, "error": {"code": "INTERRUPTED", "exit_code": 130,
+    assert doc == {"schema_version": 2, "error": {"code": "INTERRUPTED", "exit_code": 130,
                                                   "message": "interrupted", "path": None}}
 
 
@@ -416,5 +417,71 @@ def test_every_command_with_json_is_covered():
     with_json = {name for name, cmd in group.commands.items()
                  if any("--json" in p.opts for p in cmd.params)}
     covered = {"ls", "inspect", "verify", "seal", "reshard", "consolidate", "tiers", "gc",
-               "promote", "pack", "unpack", "diff", "plan", "watch"}
+               "promote", "pack", "unpack", "diff", "plan", "watch", "latest", "rm", "pin",
+               "unpin"}
     assert with_json == covered, with_json ^ covered
+
+
+def test_latest_json(cli, run):
+    doc = _json_ok(cli, "latest", str(run))
+    assert (doc["root"], doc["url"], doc["name"], doc["step"], doc["state"]) == \
+        (str(run), str(run / "step-42"), "step-42", 42, "complete")
+    assert doc["rejected"] == [] and doc["disagrees"] == []
+
+
+def test_latest_json_none_is_a_document(cli, tmp_path):
+    """No committed checkpoint is latest's answer (exit 1): its document, url null."""
+    (tmp_path / "empty").mkdir()
+    code, out, err = cli("latest", str(tmp_path / "empty"), "--json")
+    doc = json.loads(out)
+    _check_schema(doc)
+    assert code == 1 and doc["url"] is None and "error" not in doc
+    assert "no committed checkpoint" in err
+
+
+def test_latest_json_error(cli, tmp_path):
+    e = _json_error(cli, 3, "latest", str(tmp_path / "nope"))
+    assert e["code"] == "MISSING_FILE" and e["path"] == str(tmp_path / "nope")
+
+
+def test_pin_unpin_rm_json(cli, run):
+    ck = run / "step-42"
+    sizes = _sizes(ck)
+    doc = _json_ok(cli, "pin", str(ck), "--reason", "paper")
+    assert (doc["url"], doc["pinned"], doc["changed"], doc["reason"]) == \
+        (str(ck), True, True, "paper")
+    assert doc["pinned_at"].endswith("Z") and doc["by"]
+    again = _json_ok(cli, "pin", str(ck), "--reason", "paper")
+    assert (again["pinned"], again["changed"], again["pinned_at"]) == \
+        (True, False, doc["pinned_at"])
+    doc = _json_ok(cli, "unpin", str(ck))
+    assert (doc["url"], doc["pinned"], doc["changed"]) == (str(ck), False, True)
+    doc = _json_ok(cli, "rm", str(ck))
+    assert (doc["url"], doc["num_files"], doc["bytes"], doc["was_pinned"]) == \
+        (str(ck), len(sizes), sum(sizes.values()), False)
+    assert not ck.exists()
+
+
+def test_pin_rm_json_error(cli, run, tmp_path):
+    e = _json_error(cli, 3, "pin", str(tmp_path / "nope"))
+    assert e["code"] == "MISSING_FILE"
+    e = _json_error(cli, 3, "unpin", str(tmp_path / "nope"))
+    assert e["code"] == "MISSING_FILE"
+    assert cli("pin", str(run / "step-42"), "-q")[0] == 0
+    e = _json_error(cli, 1, "rm", str(run / "step-42"))  # pinned: refused, a finding
+    assert e["path"] is None or e["path"].startswith(str(run))
+    assert (run / "step-42").exists()
+
+
+def test_inspect_shows_the_checkpoint_id(cli, run):
+    """inspect names the checkpoint by its manifest id where it is sealed (issue 21), the
+    id seal, promote, pack and diff give; unsealed: null, and no id line."""
+    ck = run / "step-42"
+    assert _json_ok(cli, "inspect", str(ck))["manifest_id"] is None
+    code, text, _ = cli("inspect", str(ck))
+    assert code == 0 and "  id  " not in text
+    sealed = _json_ok(cli, "seal", str(ck))
+    doc = _json_ok(cli, "inspect", str(ck))
+    assert doc["sealed"] is True and doc["manifest_id"] == sealed["manifest_id"]
+    code, text, _ = cli("inspect", str(ck))
+    assert code == 0 and f"  id       {sealed['manifest_id']}" in text.splitlines()

@@ -354,7 +354,7 @@ def test_inspect_verify_ls_on_a_pack(dcp_pair, tmp_path, cli):
     src, packed = inspect(str(b)), inspect(str(p2))
     assert _strip(packed.to_dict()) == _strip(src.to_dict())
     info = packed.pack
-    assert (info["base"], info["depth"], info["source_id"]) == (r.base, 1, r.source_id)
+    assert (info["base"], info["depth"], info["manifest_id"]) == (r.base, 1, r.source_id)
     assert info["ratio"] == round(r.bytes_in / sum(
         p.stat().st_size for p in p2.iterdir()), 4) and info["chunks"] == r.chunks
     code, out, err = cli("inspect", str(p2))

@@ -165,7 +165,7 @@ def test_promote_and_pack_from_a_read_only_s3_server(s3_bucket, rclone_s3_readon
     assert code == 0, out
     code, out, err = run_cli("pack", src, str(tmp_path / "p" / "step-5"), *src_flags,
                              "--json")
-    assert code == 0 and json.loads(out)["source_id"] == want, err
+    assert code == 0 and json.loads(out)["manifest_id"] == want, err
     code, out, err = run_cli("verify", "--level", "full", str(tmp_path / "p" / "step-5"))
     assert code == 0, out
     # the bucket holds what was uploaded, nothing more, byte for byte

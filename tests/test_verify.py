@@ -89,7 +89,7 @@ def test_clean_checkpoint_verifies(fmt, where, torch_ckpts, tmp_path, request, c
         code, out, err = cli("verify", url, "--level", "full", "--json", "--check-finite")
         assert code == 0, out + err
         doc = json.loads(out)
-        assert doc["ok"] and doc["problems"] == [] and doc["files_checked"] > 0
+        assert doc["ok"] and doc["problems"] == [] and doc["num_files"] > 0
 
 
 @pytest.mark.parametrize("where", ["local", "s3"])

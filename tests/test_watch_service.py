@@ -281,13 +281,20 @@ def test_drain_signal_during_a_backlog_commits_the_newest_and_exits_0(tmp_path):
 
 
 def test_drain_signal_in_the_middle_of_a_hop_still_drains_the_newest(tmp_path):
-    # a slow next tier: the signal lands while an older checkpoint is on its way
+    # a slow next tier: the signal lands while an older checkpoint is on its way (4 MiB
+    # at 1 MiB/s, past the limiter's 1 MiB burst: in flight for 3 s at least). Sent once
+    # the first hop started, or (a machine too busy to look in time) ended: either way the
+    # newest must be drained
+    import torch
+    from conftest import dcp_save
+
     cfg = _config(tmp_path, hot_keep=5, warm_keep=5)
-    cfg.write_text(cfg.read_text().replace('name = "warm"', 'name = "warm"\nbwlimit = "4KiB/s"'))
+    cfg.write_text(cfg.read_text().replace('name = "warm"', 'name = "warm"\nbwlimit = "1MiB/s"'))
     hot, warm = tmp_path / "hot", tmp_path / "warm"
     for s in (100, 200):
-        _step(hot, s)
-    out, err = _drain_when(tmp_path, cfg, lambda st: st.get("in_flight"), "--settle", "0")
+        dcp_save(hot / f"step-{s}", {"w": torch.full((1 << 20,), float(s)), "step": s})
+    out, err = _drain_when(tmp_path, cfg, lambda st: st.get("in_flight") or st.get("done"),
+                           "--settle", "0")
     assert _names(str(warm)).get("step-200") == "sealed", out
     assert run_cli("verify", str(warm / "step-200"), "--level", "full")[0] == 0
 

@@ -20,6 +20,10 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=True,
     pretty_exceptions_enable=False,
+    # click's plain help: it keeps the \b blocks (tables, examples) intact and wraps to
+    # the terminal (80 columns reads well), it is what README.md and the man page show,
+    # and --help imports no rich
+    rich_markup_mode=None,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 

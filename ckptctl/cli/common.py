@@ -70,7 +70,7 @@ def console():
 
 
 #: Version of every ``--json`` document (README, "JSON output"); bump on a breaking change.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 
 def emit_json(doc: dict) -> None:
@@ -236,3 +236,75 @@ def resolve_place(ctx, text: str | None = None, common: list[str] | None = None,
     if tier_reference(text) is None:  # a URL or path: the config is not even read
         return Place(text, opts, None)
     return resolve(text, config=current_config(ctx), options=opts)
+
+
+# ------------------------------------------------------------------------ shell completion
+
+def complete_choices(*words: str):
+    """A typer ``autocompletion`` offering ``words`` (the shell keeps those that match).
+
+    >>> complete_choices("dcp", "megatron-legacy")("m")
+    ['megatron-legacy']
+    """
+    def complete(incomplete: str) -> list[str]:
+        return [w for w in words if w.startswith(incomplete)]
+    return complete
+
+
+def complete_rules(incomplete: str) -> list[str]:
+    """``reshard --rules``: the presets, and the ``.toml`` files and folders that match.
+
+    >>> complete_rules("ll")
+    ['llama']
+    """
+    import glob
+    import os
+
+    presets = [w for w in ("fsdp", "llama", "tp") if w.startswith(incomplete)]
+    paths = [p + "/" if os.path.isdir(p) else p
+             for p in sorted(glob.glob(glob.escape(incomplete) + "*"))]
+    return presets + [p for p in paths if p.endswith((".toml", "/"))]
+
+
+def place_argument(*, metavar: str, help: str):
+    """A URL argument (path, s3://..., TIER:NAME): required, completed by the shell with
+    the config's tier names (:func:`complete_place`).
+
+    >>> place_argument(metavar="URL", help="One checkpoint.").metavar
+    'URL'
+    """
+    return typer.Argument(..., metavar=metavar, help=help, autocompletion=complete_place)
+
+
+def complete_place(ctx: typer.Context, incomplete: str) -> list[str]:
+    """A URL argument: the config's tier names (``hot:``), under a local tier its entries
+    (``hot:step-``), and with those the local paths that match; nothing (the shell's own
+    file completion) when no tier matches. A config that does not load offers no tiers.
+
+    >>> complete_place(None, "/no/such/")   # no ./ckptctl.toml here: no tiers, no offer
+    []
+    """
+    import glob
+    import os
+
+    from ..config import tier_reference
+
+    try:
+        tiers = current_config(ctx).tiers
+    except Exception:  # noqa: BLE001 - completion never fails: a bad config offers nothing
+        return []
+    out = [f"{t.name}:" for t in tiers if f"{t.name}:".startswith(incomplete)]
+    ref = tier_reference(incomplete) if incomplete else None
+    tier = next((t for t in tiers if ref and t.name == ref[0]), None)
+    if tier is not None:
+        base = tier.url[len("file://"):] if tier.url.startswith("file://") else tier.url
+        try:
+            names = [] if "://" in base else sorted(os.listdir(base))  # local tiers only
+        except OSError:
+            names = []
+        out += [f"{tier.name}:{n}" for n in names
+                if n.startswith(ref[1]) and not n.startswith(".")]
+    if out:
+        out += [p + "/" if os.path.isdir(p) else p
+                for p in sorted(glob.glob(glob.escape(incomplete) + "*"))]
+    return out

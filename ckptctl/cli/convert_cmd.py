@@ -6,30 +6,38 @@ from typing import List, Optional
 import typer
 
 from .common import (DstOpt, ForceOpt, JsonOpt, QuietOpt, SrcOpt, StorageOpt, check_size,
-                     emit_json, human_bytes, plural, print_table, resolve_place, say)
+                     complete_choices, complete_rules, emit_json, human_bytes, place_argument,
+                     plural, print_table, resolve_place, say)
 from ..errors import UsageError
 from .app import app
 from .progress import byte_progress
 
 MaxMemOpt = typer.Option("1GiB", "--max-memory", metavar="SIZE", callback=check_size,
                          help="Memory budget for tensor data (1GiB, 512MB, ...).")
-WorkersOpt = typer.Option(4, "--workers", min=1, help="Parallel readers/writers.")
+WorkersOpt = typer.Option(4, "--workers", min=1, metavar="N", help="Parallel readers/writers.")
 DropOpt = typer.Option(None, "--drop", metavar="NAME",
                        help="Leave out the entries NAME matches (a glob; repeatable), e.g. "
                             "an object entry the safe loader refuses (a conversion never "
                             "carries one).")
 
 
+def _consolidate_targets(incomplete: str) -> list[str]:
+    """Shell completion of consolidate ``--to`` (read from the op only when completing)."""
+    from ..ops.consolidate import TARGETS
+
+    return [t for t in TARGETS if t.startswith(incomplete)]
+
 @app.command()
 def reshard(
     ctx: typer.Context,
-    src: str = typer.Argument(..., metavar="SRC", help="Source checkpoint, any format/place "
+    src: str = place_argument(metavar="SRC", help="Source checkpoint, any format/place "
                               "(path, s3://..., TIER:NAME)."),
-    dst: str = typer.Argument(..., metavar="DST", help="New folder for the DCP checkpoint "
-                              "(path, s3://..., TIER:NAME)."),
+    dst: str = place_argument(metavar="DST", help="New folder for the DCP checkpoint (path, "
+                              "s3://..., TIER:NAME)."),
     mesh: Optional[str] = typer.Option(None, "--mesh", metavar="DIMS",
                                        help="Target mesh in DeviceMesh order, e.g. dp=8,tp=4."),
     rules: Optional[str] = typer.Option(None, "--rules", metavar="PRESET|FILE",
+                                        autocompletion=complete_rules,
                                         help="Placement rules: fsdp, llama (alias tp), or a "
                                              "TOML file of [[rule]] tables. Default: fsdp "
                                              "for a dp-only mesh, else llama (the output "
@@ -37,6 +45,7 @@ def reshard(
     world_size: Optional[int] = typer.Option(None, "--world-size", metavar="N",
                                              help="Shorthand for --mesh dp=N --rules fsdp."),
     to: str = typer.Option("dcp", "--to", metavar="LAYOUT",
+                           autocompletion=complete_choices("dcp", "megatron-legacy"),
                            help="dcp, or megatron-legacy (mp_rank_TT[_PPP]/model_optim_rng.pt "
                                 "for --mesh tp=T[,pp=P], by Megatron's GPT rules)."),
     max_memory: str = MaxMemOpt,
@@ -63,7 +72,8 @@ def reshard(
       ckptctl reshard s3://runs/llama/step-12000 /nvme/step-12000 --world-size 8
       ckptctl reshard ckpt/ out/ --world-size 8 --drop 'extra.*'
       ckptctl reshard s3://a/run/step-9 s3://b/run/step-9 --world-size 8 \\
-          --src-option endpoint_url=http://a:9000 --dst-option endpoint_url=http://b:9000
+          --src-option endpoint_url=http://a:9000 \\
+          --dst-option endpoint_url=http://b:9000
     """
     from ..ops import reshard as do_reshard
     from ..ops.distributed import Group
@@ -155,12 +165,12 @@ def _first(names: list[str], count: int) -> str:
 @app.command()
 def consolidate(
     ctx: typer.Context,
-    src: str = typer.Argument(..., metavar="SRC", help="Source checkpoint, any format/place "
+    src: str = place_argument(metavar="SRC", help="Source checkpoint, any format/place "
                               "(path, s3://..., TIER:NAME)."),
-    dst: str = typer.Argument(..., metavar="DST",
-                              help="New folder (or a .pt/.bin file name with --to torch); "
-                                   "path, s3://..., TIER:NAME."),
+    dst: str = place_argument(metavar="DST", help="New folder (or a .pt/.bin file name with "
+                              "--to torch); path, s3://..., TIER:NAME."),
     to: str = typer.Option("safetensors", "--to", metavar="FORMAT",
+                           autocompletion=_consolidate_targets,
                            help="safetensors (HF layout), torch (torch.save), dcp, or "
                                 "deepspeed-universal (DeepSpeed resumes it at any world "
                                 "size)."),
@@ -214,7 +224,8 @@ def consolidate(
       ckptctl consolidate s3://runs/llama/step-12000 hf/ --max-shard-size 2GB
       ckptctl consolidate hf-run/checkpoint-500 hf/ --include 'README.md'
       ckptctl consolidate warm:step-12000 cold:hf-12000 --only model
-      ckptctl consolidate fsdp/step-200 ds/global_step200_universal --to deepspeed-universal
+      ckptctl consolidate fsdp/step-200 ds/global_step200_universal \\
+          --to deepspeed-universal
     """
     from ..ops import consolidate as do_consolidate
     from ..ops.distributed import Group

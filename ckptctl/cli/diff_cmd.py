@@ -8,7 +8,7 @@ import typer
 from ..errors import EXIT_FINDING
 from .app import app
 from .common import (JsonOpt, QuietOpt, StorageOpt, check_size, emit_json, human_bytes,
-                     plural, print_table, resolve_place, say)
+                     place_argument, plural, print_table, resolve_place, say)
 from .progress import byte_progress
 
 #: Status words as the summary line says them.
@@ -21,13 +21,18 @@ WORDS = {"identical": "identical", "equal_within_tolerance": "within tolerance",
 @app.command()
 def diff(
     ctx: typer.Context,
-    a: str = typer.Argument(..., metavar="A", help="Checkpoint folder or file (path, "
-                            "s3://..., TIER:NAME), any format."),
-    b: str = typer.Argument(..., metavar="B", help="Checkpoint to compare with, any format; "
-                            "the reference for --rtol and the relative L2 change."),
+    a: str = place_argument(metavar="A", help="Checkpoint folder or file (path, s3://..., "
+                            "TIER:NAME), any format."),
+    b: str = place_argument(metavar="B", help="Checkpoint to compare with, any format; the "
+                            "reference for --rtol and the relative L2 change."),
     atol: float = typer.Option(0.0, "--atol", metavar="X",
                                help="Absolute tolerance: |a-b| <= atol + rtol*|b| is equal."),
     rtol: float = typer.Option(0.0, "--rtol", metavar="Y", help="Relative tolerance (of B)."),
+    cast: bool = typer.Option(False, "--cast",
+                              help="Compare a tensor stored in another dtype on each side (an "
+                                   "export cast to bf16 against its fp32 source) as values: "
+                                   "within --atol/--rtol, or with neither, within one unit in "
+                                   "the last place of the narrower type (bf16: rtol 2^-7)."),
     only: Optional[List[str]] = typer.Option(
         None, "--only", metavar="GLOB", help="Compare only entries whose name (after --map) "
         "matches, repeatable: 'model.*', '*.exp_avg'."),
@@ -36,7 +41,8 @@ def diff(
         "matching, repeatable; first match wins ('model.=' strips 'model.')."),
     max_memory: str = typer.Option("1GiB", "--max-memory", metavar="SIZE", callback=check_size,
                                    help="Memory budget for tensor data (1GiB, 512MB, ...)."),
-    workers: int = typer.Option(4, "--workers", min=1, help="Chunks compared at once."),
+    workers: int = typer.Option(4, "--workers", min=1, metavar="N",
+                                help="Chunks compared at once."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
@@ -63,6 +69,7 @@ def diff(
       ckptctl diff run/step-1000 run/step-1000-resharded
       ckptctl diff ckpt/step-20 export/ --map model.= --only 'layers.*'
       ckptctl diff --atol 1e-6 --rtol 1e-3 --json a/ s3://runs/llama/step-12000
+      ckptctl diff --cast hf-bf16/ ckpt/step-20 --map model.=  # bf16 vs fp32
     """
     from ..ops.diff import diff as do_diff
 
@@ -71,7 +78,7 @@ def diff(
     with byte_progress("diff", enabled=not (json or quiet)) as bar:
         r = do_diff(pa.url, pb.url, pa.storage_options, pb.storage_options, atol=atol,
                     rtol=rtol, only=only, maps=map_, max_memory=max_memory, workers=workers,
-                    on_bytes=bar, on_total=bar and bar.total)
+                    cast=cast, on_bytes=bar, on_total=bar and bar.total)
     if json:
         emit_json(r.to_dict())
     elif not quiet:

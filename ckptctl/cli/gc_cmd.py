@@ -9,8 +9,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import EXIT_FINDING
-from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, plural,
-                     print_table, resolve_place, say)
+from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, place_argument,
+                     plural, print_table, resolve_place, say)
 from .app import app
 
 GRACE_HELP = ("An incomplete or corrupt checkpoint untouched for less than this is kept "
@@ -58,7 +58,7 @@ def _policy(place, keep_last, keep_every, keep_within, keep_hourly, keep_daily, 
 
 @app.command()
 def gc(
-    root: str = typer.Argument(..., metavar="ROOT", help="Folder or prefix holding checkpoints, "
+    root: str = place_argument(metavar="ROOT", help="Folder or prefix holding checkpoints, "
                                "or a TIER: of ckptctl.toml."),
     keep_last: Optional[int] = typer.Option(None, "--keep-last", min=1, metavar="N",
                                             help="Keep the N newest committed checkpoints."),
@@ -149,16 +149,18 @@ def _report(r, dry_run: bool) -> None:
 
 @app.command()
 def latest(
-    root: str = typer.Argument(..., metavar="ROOT", help="Folder or prefix holding checkpoints, "
+    root: str = place_argument(metavar="ROOT", help="Folder or prefix holding checkpoints, "
                                "or a TIER: of ckptctl.toml."),
     verified: bool = typer.Option(False, "--verified",
                                   help="The newest that passes verify --level full (content "
                                        "hashes or CRCs), walking back past any that fail."),
+    json: bool = JsonOpt,
     storage_option: Optional[List[str]] = StorageOpt,
 ):
     """Print the URL of the newest committed (sealed or complete) checkpoint, by step.
 
-    Prints the URL alone, for scripts; exit 1 (and a line on stderr) when there is none.
+    Prints the URL alone, for scripts; exit 1 (and a line on stderr) when there is none
+    (with --json, the document then has "url": null and the candidates it rejected).
 
     \b
     EXAMPLES
@@ -174,6 +176,10 @@ def latest(
         why = ("none passed verify --level full: " + ", ".join(
             f"{x['url']} ({x['code']})" for x in r.rejected)) if r.rejected else \
             "no committed checkpoint"
+        if json:  # "there is none" is latest's answer (exit 1): its document, not an error
+            emit_json(r.to_dict())
+            print(f"ckptctl: {r.root}: {why}", file=sys.stderr)
+            raise typer.Exit(EXIT_FINDING)
         raise Finding(r.root, why)
     for x in r.rejected:  # stderr: $(ckptctl latest --verified ...) still gets the URL alone
         print(f"ckptctl: skipped {x['url']}: {x['code']}: {x['message']}", file=sys.stderr)
@@ -181,18 +187,22 @@ def latest(
         what = f"names {p['names']}" if p["names"] else "names no checkpoint folder"
         print(f"ckptctl: warning: {p['file']} {what}, not this newest one (the framework's "
               "own resume reads it)", file=sys.stderr)
-    print(r.url)
+    if json:
+        emit_json(r.to_dict())
+    else:
+        print(r.url)
 
 
 @app.command()
 def rm(
-    url: str = typer.Argument(..., metavar="URL", help="One checkpoint: path, s3://..., "
+    url: str = place_argument(metavar="URL", help="One checkpoint: path, s3://..., "
                               "TIER:NAME."),
     force: bool = typer.Option(False, "--force", "-f", help="Remove it even if pinned."),
     orphan_dependants: bool = typer.Option(False, "--orphan-dependants",
                                            help="Remove it even though delta packs are "
                                                 "made against it (they can then no longer "
                                                 "be restored)."),
+    json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
 ):
@@ -212,15 +222,20 @@ def rm(
     place = resolve_place(url, storage_option)
     r = remove(place.url, place.storage_options, force=force,
                orphan_dependants=orphan_dependants)
+    if json:
+        emit_json(r.to_dict())
+        return
     say(f"removed {r.url} ({plural(r.num_files, 'file')}, {human_bytes(r.bytes)})"
         + (" (was pinned)" if r.was_pinned else ""), quiet=quiet)
 
 
 @app.command()
 def pin(
-    url: str = typer.Argument(..., metavar="URL", help="One checkpoint folder: path, s3://..., "
+    url: str = place_argument(metavar="URL", help="One checkpoint folder: path, s3://..., "
                               "TIER:NAME."),
-    reason: str = typer.Option("", "--reason", "-m", help="Why it must stay (shown by rm)."),
+    reason: str = typer.Option("", "--reason", "-m", metavar="WHY",
+                               help="Why it must stay (shown by rm)."),
+    json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
 ):
@@ -237,14 +252,18 @@ def pin(
 
     place = resolve_place(url, storage_option)
     r = do_pin(place.url, reason, place.storage_options)
+    if json:
+        emit_json(r.to_dict())
+        return
     say(f"pinned {r.url}" + (f" ({r.reason})" if r.reason else "")
         + ("" if r.changed else " (already pinned)"), quiet=quiet)
 
 
 @app.command()
 def unpin(
-    url: str = typer.Argument(..., metavar="URL", help="One checkpoint folder: path, s3://..., "
+    url: str = place_argument(metavar="URL", help="One checkpoint folder: path, s3://..., "
                               "TIER:NAME."),
+    json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
 ):
@@ -258,5 +277,8 @@ def unpin(
 
     place = resolve_place(url, storage_option)
     r = do_unpin(place.url, place.storage_options)
+    if json:
+        emit_json(r.to_dict())
+        return
     say(f"unpinned {r.url}" if r.changed else f"{r.url} was not pinned", quiet=quiet)
 

@@ -6,14 +6,15 @@ from typing import List, Optional
 import typer
 
 from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, human_count,
-                     plural, print_table, resolve_place, say)
+                     place_argument, plural, print_table, resolve_place, say)
 from .app import app
 
 
 @app.command()
 def inspect(
     ctx: typer.Context,
-    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder or file: path, file://, s3://..., TIER:NAME."),
+    url: str = place_argument(metavar="URL", help="Checkpoint folder or file: path, file://, "
+                              "s3://..., TIER:NAME."),
     json: bool = JsonOpt,
     tensors: bool = typer.Option(False, "--tensors", help="List every tensor."),
     tree: bool = typer.Option(False, "--tree", help="Group tensors by module prefix."),
@@ -58,6 +59,8 @@ def inspect(
     origin = f" ({r.origin})" if r.origin else ""
     say(f"  format   {r.format}{origin}, {step}, {'sealed' if r.sealed else 'not sealed'}",
         quiet=quiet)
+    if r.manifest_id:
+        say(f"  id       {r.manifest_id}", quiet=quiet)
     if r.pack:
         pk = r.pack
         say(f"  pack     ratio {pk['ratio']:.2f} ({human_bytes(pk['pack_bytes'])} stored), "

@@ -7,14 +7,16 @@ from typing import List, Optional
 
 import typer
 
-from .common import JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, print_table, resolve_place
+from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, place_argument,
+                     print_table, resolve_place)
 from .app import app
 
 
 @app.command()
 def ls(
     ctx: typer.Context,
-    root: str = typer.Argument(..., metavar="ROOT", help="Folder or prefix holding checkpoints, or TIER: (a tier of the config)."),
+    root: str = place_argument(metavar="ROOT", help="Folder or prefix holding checkpoints, "
+                               "or TIER: (a tier of the config)."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,

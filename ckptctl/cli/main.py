@@ -124,12 +124,61 @@ def _fail(as_json: bool, line: str, exit_code: int, code: str, message: str,
     sys.exit(exit_code)
 
 
+#: click's type words in a usage error -> what an operator reads (issue 21: no parser
+#: jargon such as "int range" or "x>=1" in a message)
+_TYPE_WORDS = ((" is not a valid int range.", " is not a whole number."),
+               (" is not a valid integer range.", " is not a whole number."),
+               (" is not a valid int.", " is not a whole number."),
+               (" is not a valid integer.", " is not a whole number."),
+               (" is not a valid float range.", " is not a number."),
+               (" is not a valid float.", " is not a number."),
+               (" is not a valid boolean.", " is not true or false."))
+
+
+def plain_usage_words(message: str) -> str:
+    """A click usage message in plain words: type names and range notation spelled out.
+
+    >>> plain_usage_words("'abc' is not a valid int range.")
+    "'abc' is not a whole number."
+    >>> plain_usage_words("99 is not in the range 1<=x<=22.")
+    '99 is not between 1 and 22.'
+    >>> plain_usage_words("0 is not in the range x>=1.")
+    '0 is not 1 or more.'
+    >>> plain_usage_words("5 is not in the range x<5.")
+    '5 is not less than 5.'
+    >>> plain_usage_words("1.5 is not in the range 0<x<=1.")
+    '1.5 is not more than 0 and at most 1.'
+
+    """
+    import re
+
+    for old, new in _TYPE_WORDS:
+        message = message.replace(old, new)
+    num = r"(-?[0-9]+(?:\.[0-9]+)?(?:e[+-]?[0-9]+)?)"
+
+    def both(m: re.Match) -> str:
+        lo, lo_op, hi_op, hi = m.groups()
+        if (lo_op, hi_op) == ("<=", "<="):
+            return f"is not between {lo} and {hi}"
+        return (f"is not more than {lo}" if lo_op == "<" else f"is not {lo} or more") \
+            + (f" and less than {hi}" if hi_op == "<" else f" and at most {hi}")
+
+    message = re.sub(rf"is not in the range {num}(<=?)x(<=?){num}", both, message)
+    message = re.sub(rf"is not in the range x>={num}", r"is not \1 or more", message)
+    message = re.sub(rf"is not in the range x>{num}", r"is not more than \1", message)
+    message = re.sub(rf"is not in the range x<={num}", r"is not \1 or less", message)
+    message = re.sub(rf"is not in the range x<{num}", r"is not less than \1", message)
+    return message
+
+
 def _run(args: list[str], *, as_json: bool = False, debug: bool = False) -> None:
     try:
         rv = app(args=args, prog_name="ckptctl", standalone_mode=False)
     except typer.Abort:
         _fail(as_json, "ckptctl: interrupted", EXIT_INTERRUPTED, "INTERRUPTED", "interrupted")
     except typer.TyperException as e:  # usage errors: bad flag, missing argument
+        if isinstance(getattr(e, "message", None), str):
+            e.message = plain_usage_words(e.message)
         e.show()
         code = getattr(e, "exit_code", EXIT_USAGE)
         code = EXIT_USAGE if code in (1, 2) else code

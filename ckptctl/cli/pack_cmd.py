@@ -8,7 +8,7 @@ import typer
 
 from .app import app
 from .common import (DstOpt, ForceOpt, JsonOpt, QuietOpt, SrcOpt, StorageOpt, emit_json,
-                     human_bytes, plural, resolve_place, say)
+                     human_bytes, place_argument, plural, resolve_place, say)
 from .progress import byte_progress
 
 BaseOpt = typer.Option(None, "--base", metavar="BASE",
@@ -27,9 +27,9 @@ SealSourceOpt = typer.Option(
 @app.command()
 def pack(
     ctx: typer.Context,
-    src: str = typer.Argument(..., metavar="SRC", help="Checkpoint folder to pack, any format/"
-                              "place (path, s3://..., TIER:NAME)."),
-    dst: str = typer.Argument(..., metavar="DST", help="New folder for the pack."),
+    src: str = place_argument(metavar="SRC", help="Checkpoint folder to pack, any "
+                              "format/place (path, s3://..., TIER:NAME)."),
+    dst: str = place_argument(metavar="DST", help="New folder for the pack."),
     base: Optional[str] = BaseOpt,
     level: int = typer.Option(3, "--level", min=1, max=22, metavar="N",
                               help="zstd level (1 fast ... 19 small)."),
@@ -58,7 +58,8 @@ def pack(
     EXAMPLES
       ckptctl pack ckpt/step-1000 packs/step-1000
       ckptctl pack ckpt/step-2000 packs/step-2000 --base packs/step-1000
-      ckptctl pack /nvme/step-12000 s3://cold/run1/step-12000 --base s3://cold/run1/step-11000
+      ckptctl pack /nvme/step-12000 s3://cold/run1/step-12000 \\
+          --base s3://cold/run1/step-11000
       ckptctl pack ckpt/step-3000 packs/step-3000 --base ckpt/step-2000 --json
     """
     from ..ops.distributed import Group
@@ -103,9 +104,9 @@ def pack(
 @app.command()
 def unpack(
     ctx: typer.Context,
-    pack_: str = typer.Argument(..., metavar="PACK", help="A pack folder (path, s3://..., "
+    pack_: str = place_argument(metavar="PACK", help="A pack folder (path, s3://..., "
                                 "TIER:NAME)."),
-    dst: str = typer.Argument(..., metavar="DST", help="New folder for the checkpoint."),
+    dst: str = place_argument(metavar="DST", help="New folder for the checkpoint."),
     base: Optional[str] = typer.Option(None, "--base", metavar="BASE",
                                        help="Where the base of a delta pack is, when not "
                                             "where the pack recorded it (its id is checked)."),

@@ -1,13 +1,14 @@
 """``ckptctl promote SRC DST``: copy a checkpoint between places, verified and committed last."""
 from __future__ import annotations
 
+import sys
 from typing import List, Optional
 
 import typer
 
 from .app import app
 from .common import (DstOpt, JsonOpt, QuietOpt, SrcOpt, StorageOpt, check_size, emit_json,
-                     human_bytes, plural, resolve_place, say)
+                     human_bytes, place_argument, plural, resolve_place, say)
 from .pack_cmd import SealSourceOpt
 from .progress import byte_progress
 
@@ -15,15 +16,16 @@ from .progress import byte_progress
 @app.command()
 def promote(
     ctx: typer.Context,
-    src: str = typer.Argument(..., metavar="SRC", help="Checkpoint folder to copy (path, "
+    src: str = place_argument(metavar="SRC", help="Checkpoint folder to copy (path, "
                               "s3://..., TIER:NAME)."),
-    dst: str = typer.Argument(..., metavar="DST", help="Where it goes (path, s3://..., "
-                              "TIER:NAME; TIER: puts it under the tier by SRC's name)."),
+    dst: str = place_argument(metavar="DST", help="Where it goes (path, s3://..., TIER:NAME; "
+                              "TIER: puts it under the tier by SRC's name)."),
     bwlimit: Optional[str] = typer.Option(
         None, "--bwlimit", metavar="RATE",
         help="Most bytes per second sent, all workers together (200MiB/s, 1.5GB/s, off). "
              "Default: DST tier's bwlimit, else none."),
-    workers: int = typer.Option(4, "--workers", min=1, help="Files or parts sent at once."),
+    workers: int = typer.Option(4, "--workers", min=1, metavar="N",
+                                help="Files or parts sent at once."),
     part_size: str = typer.Option("32MiB", "--part-size", metavar="SIZE", callback=check_size,
                                   help="Size of the parts of a large file (at least 5MiB)."),
     delete_source: bool = typer.Option(
@@ -41,7 +43,11 @@ def promote(
                                   "whose base DST reaches is copied as it is); none: a full "
                                   "pack, with no base."),
     seal_source: Optional[bool] = SealSourceOpt,
-    level: int = typer.Option(3, "--level", min=1, max=22, help="--pack: compression level."),
+    pack_level: int = typer.Option(3, "--pack-level", min=1, max=22, metavar="N",
+                                   help="--pack: zstd level (1 fast ... 19 small), as pack "
+                                        "--level."),
+    old_level: Optional[int] = typer.Option(None, "--level", min=1, max=22, hidden=True,
+                                            help="Deprecated spelling of --pack-level."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
@@ -67,12 +73,16 @@ def promote(
       ckptctl promote hot:step-2000 cold: --bwlimit 200MiB/s --delete-source
       ckptctl promote /lustre/run1/step-2000 s3://ckpt/run1/step-2000 --dry-run
       ckptctl promote s3://a/run/step-9 s3://b/run/step-9 \\
-          --src-option endpoint_url=http://a:9000 --dst-option endpoint_url=http://b:9000
+          --src-option endpoint_url=http://a:9000 \\
+          --dst-option endpoint_url=http://b:9000
     """
     from ..ops.distributed import Group
     from ..ops.promote import promote as do_promote
     from ..units import parse_size
 
+    if old_level is not None:  # promote --level was renamed (issue 21): verify's is a depth
+        print("ckptctl: warning: promote --level is now --pack-level", file=sys.stderr)
+        pack_level = old_level
     s = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
     d = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")
     dst_url = d.url
@@ -100,7 +110,7 @@ def promote(
         r = do_promote(s.url, dst_url, s.storage_options, d.storage_options, bwlimit=rate,
                        workers=workers, part_size=parse_size(part_size),
                        delete_source=delete_source, dry_run=dry_run, pack=pack,
-                       base=base_url, level=level, on_bytes=bar,
+                       base=base_url, level=pack_level, on_bytes=bar,
                        on_total=bar and bar.total, group=group, seal_source=seal_source)
     if json:
         emit_json(group.tag(r.to_dict()))

@@ -7,8 +7,8 @@ from typing import List, Optional
 import typer
 
 from ..errors import EXIT_FINDING
-from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, plural,
-                     print_table, resolve_place, say)
+from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, place_argument,
+                     plural, print_table, resolve_place, say)
 from .app import app
 from .progress import byte_progress
 
@@ -27,8 +27,8 @@ class HashAlgo(str, Enum):
 @app.command()
 def verify(
     ctx: typer.Context,
-    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder or file: path, file://, s3://..., "
-                              "TIER:NAME."),
+    url: str = place_argument(metavar="URL", help="Checkpoint folder or file: path, file://, "
+                              "s3://..., TIER:NAME."),
     level: Level = typer.Option(Level.structure, "--level", "-l",
                                 help="How deep to check; each level includes the previous."),
     require: Optional[str] = typer.Option(None, "--require", metavar="PARTS",
@@ -39,7 +39,8 @@ def verify(
     sample: Optional[float] = typer.Option(None, "--sample", metavar="FRACTION",
                                            help="With --level full: check a deterministic "
                                                 "fraction (0-1] of the files (default: all)."),
-    workers: int = typer.Option(4, "--workers", min=1, help="Parallel readers/hashers."),
+    workers: int = typer.Option(4, "--workers", min=1, metavar="N",
+                                help="Parallel readers/hashers."),
     all_: bool = typer.Option(False, "--all", help="URL is a run's root: verify every "
                               "checkpoint under it (as `ckptctl ls` lists them), one report "
                               "each; exit 1 if any has a problem or cannot be read."),
@@ -51,9 +52,11 @@ def verify(
 
     \b
     quick      commit state, files present at their sizes, stray temp files
-    structure  + metadata parses, chunks tile tensors, extents inside files, closure
-    full       + every data file read once: content hashes against the manifest; unsealed,
-                 the CRC-32 of every DCP/torch.save zip record (safetensors: decoded only)
+    structure  + metadata parses, chunks tile tensors, extents inside files,
+                 closure
+    full       + every data file read once: content hashes against the manifest;
+                 unsealed, the CRC-32 of every DCP/torch.save zip record
+                 (safetensors: decoded only)
 
     \b
     EXAMPLES
@@ -188,12 +191,13 @@ CONTENT_WORDS = {
 @app.command()
 def seal(
     ctx: typer.Context,
-    url: str = typer.Argument(..., metavar="URL", help="Checkpoint folder: path, file://, s3://..., "
-                              "TIER:NAME."),
+    url: str = place_argument(metavar="URL", help="Checkpoint folder: path, file://, "
+                              "s3://..., TIER:NAME."),
     hash: Optional[HashAlgo] = typer.Option(None, "--hash", help="Content hash of each file "
                                             "(default xxh3-128; --update keeps the "
                                             "manifest's)."),
-    step: Optional[int] = typer.Option(None, "--step", help="Step to record (default: the "
+    step: Optional[int] = typer.Option(None, "--step", metavar="N",
+                                       help="Step to record (default: the "
                                        "checkpoint's step entry, else its name)."),
     tag: Optional[List[str]] = typer.Option(None, "--tag", metavar="TAG",
                                             help="Tag to record, repeatable. A sealed "
@@ -205,7 +209,7 @@ def seal(
                                      "purpose: every listed file must still match its hash; "
                                      "the new files are hashed and the manifest replaced "
                                      "atomically (step and tags kept unless given)."),
-    workers: int = typer.Option(4, "--workers", min=1, help="Parallel hashers."),
+    workers: int = typer.Option(4, "--workers", min=1, metavar="N", help="Parallel hashers."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,

@@ -102,11 +102,11 @@ def watch(
 
     \b
     EXAMPLES
-      ckptctl watch --config ckptctl.toml               # loop, low priority
-      ckptctl watch --once --settle 0 --json            # cron: exit 1 while not drained
+      ckptctl watch --config ckptctl.toml       # loop, low priority
+      ckptctl watch --once --settle 0 --json    # cron: exit 1 while not drained
       ckptctl watch --status
-      ckptctl watch --node-rank 1                       # multi-node
-      ckptctl watch --metrics-file /var/lib/node_exporter/ckptctl.prom --log-format json
+      ckptctl watch --node-rank 1               # multi-node
+      ckptctl watch --metrics-file /var/lib/ckptctl.prom --log-format json
       ckptctl watch --print-unit > /etc/systemd/system/ckptctl-watch@.service
     """
     from ..config import CONFIG_ENV, CONFIG_NAME
@@ -310,7 +310,8 @@ def _print_status(path: str, doc: dict | None, pid: int | None) -> None:
         say(f"queued: {q['tier']}:{q['name']} ({q['why']})")
     for d in (doc.get("done") or [])[-10:]:
         say(f"done: {d['name']} {d['src']} -> {d['dst']} {d['action']} "
-            f"({human_bytes(d['bytes'])}, {d['seconds']} s) at {d['time']}")
+            f"({human_bytes(d['bytes'])}, {d['seconds']} s) at "
+            f"{d.get('finished') or d.get('time')}")
     for key, f in sorted((doc.get("failed") or {}).items()):
         say(f"failed: {key}: {f['message']} (attempt {f['attempts']}, next retry "
             f"{_when(f['next_retry'])})")
@@ -327,7 +328,7 @@ def _print_plan(r) -> None:
     tau = (f"{human_seconds(r.interval_seconds)} (median of {plural(r.gaps, 'gap')} between arrivals)"
            if r.interval_seconds is not None else "unknown (one arrival so far)")
     say(f"plan from what watch measured: S = {human_bytes(r.checkpoint_bytes)} "
-        f"({r.checkpoint}), interval tau = {tau}")
+        f"({r.checkpoint_name}), interval tau = {tau}")
     if r.node_bandwidth_bytes_per_second is not None:
         say(f"per-node drain bandwidth B >= S/(P tau) = "
             f"{human_rate(r.node_bandwidth_bytes_per_second)}")

@@ -27,6 +27,7 @@ from .locate import file_format as _file_format
 from .locate import latest_tag, locate
 from .manifest import MANIFEST, WRITING_MARKER, read_manifest
 from .pack import PackStore, is_pack, pack_view
+from .torchfile import read_torch_zip
 
 _STEP_PATTERNS = [re.compile(p) for p in (
     r"^(?:step|global_step|checkpoint|ckpt|iter|iteration)[-_]?0*(\d+)$",
@@ -110,8 +111,11 @@ def not_a_checkpoint(store: Store, rel: str, size: int) -> str | None:
 
 def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bool = True,
                     read_step: bool = True, located: tuple | None = None,
-                    allow_incomplete: bool = False) -> Checkpoint:
+                    allow_incomplete: bool = False, torch_free: bool = False) -> Checkpoint:
     """Open whatever checkpoint is at ``url``: format detection, metadata, manifest, step.
+
+    ``torch_free``: a single torch.save zip is read without torch where it can be
+    (:func:`~.torchfile.read_torch_zip`; ``verify`` asks for it), else with torch.
 
     Reads metadata only: a DCP checkpoint costs one listing and one or two GETs.
     ``located``: what :func:`locate` returned, to save listing again. A folder that a
@@ -154,7 +158,8 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
         ck = safetensors.read_safetensors(store, files, single)
     elif fmt == "torch" and single:
         try:
-            ck = torchsave.read_torch(store, files, single)
+            ck = (read_torch_zip(store, files, single) if torch_free else None) \
+                or torchsave.read_torch(store, files, single)
         except FormatError:  # say so when it is not a checkpoint at all (TorchScript...)
             why = not_a_checkpoint(store, single, files[single])
             if why:

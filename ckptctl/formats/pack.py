@@ -502,7 +502,7 @@ class PackStore:
         return {"pack_bytes": packed, "source_bytes": idx.total_bytes,
                 "ratio": round(idx.total_bytes / packed, 4) if packed else None,
                 "chunks": idx.modes(), "base": idx.base["id"] if idx.base else None,
-                "depth": idx.depth, "source_id": idx.source_id}
+                "depth": idx.depth, "manifest_id": idx.source_id}
 
     raw_files: dict[str, int] = {}
 

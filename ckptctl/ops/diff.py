@@ -335,43 +335,59 @@ class _Stats:
                     self.sum_d2 += float(np.dot(d, d))
                     self.sum_b2 += float(np.dot(y, y))
                 continue
-            with np.errstate(invalid="ignore", over="ignore"):
-                d = np.subtract(x, y)
-                d = np.abs(d, out=d) if d.dtype.kind == "f" else np.abs(d)
-                top = d.max() if d.size else 0.0
-            if np.isfinite(top):  # the common case, in few passes: d == 0 iff a == b
-                changed = int(np.count_nonzero(d))
-                self.changed += changed
-                if atol == 0 and rtol == 0:
-                    self.outside += changed
-                else:
-                    tol = np.abs(y) * rtol + atol if rtol else atol
-                    self.outside += int(np.count_nonzero(d > tol))
-                self.max_abs = max(self.max_abs, float(top))
-                self.sum_d2 += float(np.dot(d, d))
-                self.sum_b2 += float(np.real(np.vdot(y, y)))  # sum |y|^2, complex too
-                continue
-            with np.errstate(invalid="ignore", over="ignore"):
-                # NaN where either is NaN or both are the same Inf
-                same = x == y
-                if not np.isfinite(d).all():  # NaN equals NaN at the same position
-                    same |= np.isnan(x) & np.isnan(y)
-                    fin = np.isfinite(d)  # both finite (an overflow aside)
-                    self.nonfinite += int(np.count_nonzero(~same & ~fin))
-                    d, y = d[fin], y[fin]
-                    same_fin = same[fin]
-                else:
-                    same_fin = same
-                tol = atol + rtol * np.abs(y) if rtol else atol
-                outside = ~same_fin & ~(d <= tol)
-            self.changed += int(same.size - np.count_nonzero(same))
-            self.outside += int(np.count_nonzero(outside))
-            # non-finite positions that differ are outside any tolerance
-            self.outside += int(np.count_nonzero(~same)) - int(np.count_nonzero(~same_fin))
-            if d.size:
-                self.max_abs = max(self.max_abs, float(d.max()))
-                self.sum_d2 += float(np.dot(d, d))
-                self.sum_b2 += float(np.real(np.vdot(y, y)))  # sum |y|^2, complex too
+            self._values(x, y, atol, rtol)
+
+    def feed_cast(self, a, dta, b, dtb, atol: float, rtol: float) -> None:
+        """Add a block of A in ``dta`` against the same elements of B in ``dtb`` (``diff
+        --cast``): both decoded to float64 and compared as values."""
+        self.diff_bytes += len(a)
+        ia, ib = dta.itemsize, dtb.itemsize
+        for s in range(0, len(a) // ia, SUB_ELEMENTS):
+            e = min(len(a) // ia, s + SUB_ELEMENTS)
+            self._values(decode(a[s * ia:e * ia], dta), decode(b[s * ib:e * ib], dtb),
+                         atol, rtol)
+
+    def _values(self, x, y, atol: float, rtol: float) -> None:
+        """Add decoded values ``x`` (A) against ``y`` (B, the reference)."""
+        import numpy as np
+
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = np.subtract(x, y)
+            d = np.abs(d, out=d) if d.dtype.kind == "f" else np.abs(d)
+            top = d.max() if d.size else 0.0
+        if np.isfinite(top):  # the common case, in few passes: d == 0 iff a == b
+            changed = int(np.count_nonzero(d))
+            self.changed += changed
+            if atol == 0 and rtol == 0:
+                self.outside += changed
+            else:
+                tol = np.abs(y) * rtol + atol if rtol else atol
+                self.outside += int(np.count_nonzero(d > tol))
+            self.max_abs = max(self.max_abs, float(top))
+            self.sum_d2 += float(np.dot(d, d))
+            self.sum_b2 += float(np.real(np.vdot(y, y)))  # sum |y|^2, complex too
+            return
+        with np.errstate(invalid="ignore", over="ignore"):
+            # NaN where either is NaN or both are the same Inf
+            same = x == y
+            if not np.isfinite(d).all():  # NaN equals NaN at the same position
+                same |= np.isnan(x) & np.isnan(y)
+                fin = np.isfinite(d)  # both finite (an overflow aside)
+                self.nonfinite += int(np.count_nonzero(~same & ~fin))
+                d, y = d[fin], y[fin]
+                same_fin = same[fin]
+            else:
+                same_fin = same
+            tol = atol + rtol * np.abs(y) if rtol else atol
+            outside = ~same_fin & ~(d <= tol)
+        self.changed += int(same.size - np.count_nonzero(same))
+        self.outside += int(np.count_nonzero(outside))
+        # non-finite positions that differ are outside any tolerance
+        self.outside += int(np.count_nonzero(~same)) - int(np.count_nonzero(~same_fin))
+        if d.size:
+            self.max_abs = max(self.max_abs, float(d.max()))
+            self.sum_d2 += float(np.dot(d, d))
+            self.sum_b2 += float(np.real(np.vdot(y, y)))  # sum |y|^2, complex too
 
     def feed_norm(self, raw, dtype) -> None:
         """Add an identical block's share of ``||b||``."""
@@ -482,6 +498,9 @@ class _Pair:
         from .planner import chunk_index
 
         self.row, self.ta, self.tb = row, ta, tb
+        self.cast = ta.dtype.name != tb.dtype.name  # diff --cast: compared as values
+        self.atol: float | None = None  # --cast without a tolerance: the dtypes' (cast_rtol)
+        self.rtol: float | None = None
         self.index = chunk_index(tb)  # B's chunks, found per box of A without a scan
         self.stats = _Stats()
         self.compared = 0
@@ -497,6 +516,10 @@ def _compare_chunk(job, cka, ckb, budget, atol, rtol, on_bytes) -> None:
 
     pair, ca = job
     ta, tb, dtype = pair.ta, pair.tb, pair.ta.dtype
+    if pair.cast:
+        _compare_cast(pair, ca, cka, ckb, budget, pair.atol if pair.atol is not None else atol,
+                      pair.rtol if pair.rtol is not None else rtol, on_bytes)
+        return
     st = _Stats()
     if not ca.sizes or dtype.bits % 8:  # a scalar, or packed sub-byte: whole, small
         a = chunk_bytes(cka, ta, ca)
@@ -542,6 +565,72 @@ def _compare_chunk(job, cka, ckb, budget, atol, rtol, on_bytes) -> None:
     with pair.stats.lock:
         pair.compared += ca.numel * dtype.itemsize
     pair.stats.merge(st)
+
+
+def _compare_cast(pair, ca, cka, ckb, budget, atol, rtol, on_bytes) -> None:
+    """``diff --cast``: chunk ``ca`` of A (its dtype) against the same box of B (another
+    dtype), row block by row block, as float64 values."""
+    import numpy as np
+
+    from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows_into
+    from .copier import fill_rows, row_ranges
+
+    ta, tb = pair.ta, pair.tb
+    st = _Stats()
+    tc = _target(pair, ca)
+    sizes = tuple(ca.sizes)
+    inner = math.prod(sizes[1:]) if sizes else 1
+    row_a, row_b = ta.dtype.nbytes(inner), tb.dtype.nbytes(inner)
+    blocks = row_ranges(sizes[0], row_bytes=max(row_a, row_b), budget=budget) if sizes \
+        else [(0, 1)]
+    for r0, r1 in blocks:
+        if sizes:
+            a = np.empty((r1 - r0) * row_a, dtype=np.uint8)
+            b = np.empty((r1 - r0) * row_b, dtype=np.uint8)
+            read_rows_into(cka, ta, ca, r0, r1, memoryview(a))
+            fill_rows(ckb, tc, r0, r1, b.view(byte_dtype(tb.dtype)).reshape((r1 - r0,
+                                                                             *sizes[1:])))
+        else:  # a scalar: one element each
+            a = np.frombuffer(bytes(chunk_bytes(cka, ta, ca)), dtype=np.uint8)
+            b = np.frombuffer(bytes(chunk_bytes(ckb, tb, tc.pieces[0].src)), dtype=np.uint8)
+        st.feed_cast(memoryview(a), ta.dtype, memoryview(b), tb.dtype, atol, rtol)
+        if on_bytes:
+            on_bytes(len(a))
+    with pair.stats.lock:
+        pair.compared += ta.nbytes if not sizes else ca.numel * ta.dtype.itemsize
+    pair.stats.merge(st)
+
+
+#: Significand bits of the float types ``--cast`` compares (integers: exact).
+_MANTISSA = {"float64": 52, "float32": 23, "float16": 10, "bfloat16": 7,
+             "float8_e4m3fn": 3, "float8_e4m3fnuz": 3, "float8_e5m2": 2,
+             "float8_e5m2fnuz": 2, "float8_e8m0fnu": 0}
+
+
+def castable(dtype) -> bool:
+    """Can ``diff --cast`` compare ``dtype`` as real values?
+
+    >>> from ckptctl.model import DTYPES
+    >>> castable(DTYPES["bfloat16"]), castable(DTYPES["int64"]), castable(DTYPES["complex64"])
+    (True, True, False)
+    """
+    return decodable(dtype) and dtype.kind in ("float", "float8", "int", "uint", "bool") \
+        and not dtype.bits % 8
+
+
+def cast_rtol(da, db) -> float:
+    """The relative tolerance ``--cast`` uses when none is given: one unit in the last
+    place of the narrower float type (bf16: 2**-7; fp32 against fp64: 2**-23), what
+    rounding to it may change; 0 between integer types.
+
+    >>> from ckptctl.model import DTYPES
+    >>> cast_rtol(DTYPES["float32"], DTYPES["bfloat16"])
+    0.0078125
+    >>> cast_rtol(DTYPES["int32"], DTYPES["int64"])
+    0.0
+    """
+    bits = [_MANTISSA[d.name] for d in (da, db) if d.name in _MANTISSA]
+    return 2.0 ** -min(bits) if bits else 0.0
 
 
 def _owed_norm(job, cka) -> _Stats:
@@ -676,7 +765,7 @@ def _side(ck) -> dict:
 def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None = None, *,
          atol: float = 0.0, rtol: float = 0.0, only: list[str] | None = None,
          maps: list[str] | None = None, max_memory: int | str = 1 << 30, workers: int = 4,
-         on_bytes: Callable[[int], None] | None = None,
+         cast: bool = False, on_bytes: Callable[[int], None] | None = None,
          on_total: Callable[[int], None] | None = None) -> DiffResult:
     """Compare checkpoint ``a`` with ``b`` (any formats, layouts, places).
 
@@ -685,6 +774,10 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
     tolerance, B the reference. Memory for tensor data stays within about
     ``max_memory``; ``workers`` chunks are compared at once. ``on_bytes(n)``: n more
     bytes of each side compared; ``on_total(n)``: called once with the total.
+    ``cast``: a tensor stored in another dtype on each side (an export cast to bf16
+    against its fp32 source) is compared as values, within ``atol``/``rtol`` or, with
+    neither given, within :func:`cast_rtol` of B (its note says so); without ``cast``
+    such a pair is ``dtype_mismatch``.
 
     >>> diff("a/", "b/", atol=-1)
     Traceback (most recent call last):
@@ -745,7 +838,17 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
             continue
         row.dtype, row.shape, row.bytes = ta.dtype.name, list(ta.shape), ta.nbytes
         if ta.dtype.name != tb.dtype.name:
-            row.status, row.dtype_b = "dtype_mismatch", tb.dtype.name
+            row.dtype_b = tb.dtype.name
+            if not (cast and castable(ta.dtype) and castable(tb.dtype)) \
+                    or tuple(ta.shape) != tuple(tb.shape):
+                row.status = "dtype_mismatch"
+                continue
+            p = _Pair(row, ta, tb)
+            if atol == 0 and rtol == 0:
+                p.atol, p.rtol = 0.0, cast_rtol(ta.dtype, tb.dtype)
+                row.note = f"cast: values compared within rtol={p.rtol:g} of B"
+            res.bytes += ta.nbytes
+            pairs_todo.append(p)
             continue
         if tuple(ta.shape) != tuple(tb.shape):
             row.status, row.shape_b = "shape_mismatch", list(tb.shape)
@@ -763,7 +866,7 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
     for p in pairs_todo:
         _check_cover(cka, p.ta)
         _check_cover(ckb, p.tb)
-    proven = _equal_files(cka, ckb, pairs_todo, workers)
+    proven = _equal_files(cka, ckb, [p for p in pairs_todo if not p.cast], workers)
     for p in pairs_todo:
         for c in p.ta.chunks:
             if (id(p), c.offsets) in proven:

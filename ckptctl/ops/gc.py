@@ -41,7 +41,11 @@ class GcCheckpoint:
     action: str  # "keep" or "remove"
     reasons: list[str]
     bytes: int
-    time: float | None
+    time: float | None  # what the time rules rank by: ``created``, else ``modified``
+    #: newest modification time as the listing shows it (``ls``'s ``modified``)
+    modified: float | None = None
+    #: when it was sealed: its manifest's ``created`` (kept by every copy), else None
+    created: float | None = None
 
 
 @dataclass
@@ -85,19 +89,26 @@ class GcResult:
             "bytes": self.bytes_freed,
             "checkpoints": [{"name": c.name, "url": c.url, "step": c.step, "state": c.state,
                              "pinned": c.pinned, "action": c.action, "reasons": c.reasons,
-                             "bytes": c.bytes, "created": iso_utc(c.time)}
+                             "bytes": c.bytes, "modified": iso_utc(c.modified),
+                             "created": iso_utc(c.created)}
                             for c in self.checkpoints],
             "blocked": [{"name": n, "foreign_files": f} for n, f in self.blocked.items()],
             "uploads_checked": self.uploads_checked,
             "uploads": [{"url": u.url, "upload_id": u.upload_id,
-                         "created": iso_utc(u.initiated), "action": u.action}
+                         "initiated": iso_utc(u.initiated), "action": u.action}
                         for u in self.uploads],
         }
 
 
-def _created(row: CheckpointRow) -> float | None:
-    """When the checkpoint was made: its manifest's ``created`` (kept by every copy),
-    else its commit marker's modification time from the listing."""
+def _manifest_created(row: CheckpointRow) -> float | None:
+    """When the checkpoint was sealed: its manifest's ``created`` (kept by every copy),
+    None without a manifest or a time that does not parse.
+
+    >>> from types import SimpleNamespace as NS
+    >>> sealed = NS(manifest=NS(created="1970-01-01T00:01:00Z"))
+    >>> _manifest_created(sealed), _manifest_created(NS(manifest=None))
+    (60.0, None)
+    """
     created = getattr(row.manifest, "created", None)
     if created:
         try:
@@ -105,7 +116,14 @@ def _created(row: CheckpointRow) -> float | None:
             return (t if t.tzinfo else t.replace(tzinfo=dt.timezone.utc)).timestamp()
         except ValueError:
             pass
-    return row.modified
+    return None
+
+
+def _created(row: CheckpointRow) -> float | None:
+    """When the checkpoint was made: its manifest's ``created`` (kept by every copy),
+    else its commit marker's modification time from the listing."""
+    created = _manifest_created(row)
+    return row.modified if created is None else created
 
 
 def _last_touched(row: CheckpointRow) -> float | None:
@@ -369,7 +387,8 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
         keep = item.name in decision.keep
         result.checkpoints.append(GcCheckpoint(
             r.name, r.url, r.step, r.state, r.pinned, "keep" if keep else "remove",
-            list(decision.keep.get(r.name, [])), r.bytes, item.time))
+            list(decision.keep.get(r.name, [])), r.bytes, item.time, r.modified,
+            _manifest_created(r)))
     if not dry_run:
         from .remove import remove_checkpoint
 

@@ -61,6 +61,9 @@ class InspectResult:
     layout: dict
     closure: dict[str, bool]
     sealed: bool
+    #: the checkpoint's id where it is sealed: its manifest's (a pack: the id of the
+    #: checkpoint it holds, as ``pack``/``unpack``/``diff`` say); None when not sealed
+    manifest_id: str | None = None
     tensors: list[TensorInfo] = field(default_factory=list)
     objects: list[ObjectInfo] = field(default_factory=list)
     tree: list[TreeNode] = field(default_factory=list)
@@ -148,13 +151,15 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
     if ck.info.get("origin"):  # flat partitions cut tensors anywhere: no mesh to guess
         lay.mesh_guess = None
     meta = ck.info.get("metadata") or {}
+    man = ck.info.get("manifest")
     return InspectResult(
         url=ck.root, format=ck.format, step=ck.step, step_source=ck.info.get("step_source"),
         bytes=ck.total_bytes, num_files=len(ck.files), num_tensors=len(ck.tensors),
         num_objects=len(ck.objects), num_params=num_params,
         tensor_bytes=sum(t.nbytes for t in ck.tensors.values()), num_buffers=num_buffers,
         dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])),
-        layout=asdict(lay), closure=closure, sealed=ck.info.get("manifest") is not None,
+        layout=asdict(lay), closure=closure, sealed=man is not None,
+        manifest_id=man.checkpoint_id if man is not None else None,
         tensors=shown, objects=objects, tree=_tree(shown, params) if tree else [], metadata=meta,
         pack=ck.info.get("pack"), origin=ck.info.get("origin"), notes=list(ck.info.get("notes", [])),
         ranks=list((ck.info.get("deepspeed") or {}).get("ranks", [])))

@@ -96,7 +96,8 @@ def reshard_legacy(src: str, dst: str, *, tp: int, pp: int, drop: list[str] | No
     from ..formats.tensorio import read_tensor
 
     if tp < 1 or pp < 1:
-        raise UsageError("--tp and --pp must be at least 1")
+        raise UsageError(f"tp={tp}, pp={pp}: each must be at least 1 "
+                         "(reshard --mesh tp=T,pp=P)")
     ck = open_checkpoint(src, storage_options)
     gone = set(dropped(ck, drop))
     keep_t = [n for n in ck.tensors if n not in gone]

@@ -98,8 +98,11 @@ class PackResult:
         return self.bytes_in / self.seconds if self.seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d["mb_per_s"] = round(self.rate / 1e6, 2)
+        """The ``--json`` document: ``source_id`` is ``manifest_id`` there (the id of the
+        checkpoint the pack holds, the one ``unpack`` restores; ``pack_id`` is the pack's
+        own files'), and the rate is ``bytes_per_second`` (README, "JSON vocabulary")."""
+        d = {("manifest_id" if k == "source_id" else k): v for k, v in asdict(self).items()}
+        d["bytes_per_second"] = round(self.rate)
         return d
 
 
@@ -123,7 +126,7 @@ class UnpackResult:
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["mb_per_s"] = round(self.rate / 1e6, 2)
+        d["bytes_per_second"] = round(self.rate)
         return d
 
 

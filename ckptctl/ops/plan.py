@@ -352,7 +352,7 @@ class PlanResult:
         rates = ("bytes_per_second", "write_bytes_per_second", "read_bytes_per_second")
 
         def whole(d: dict) -> dict:
-            return {k: _whole(v) if k in rates else v for k, v in d.items()}
+            return {k: whole_rate(v) if k in rates else v for k, v in d.items()}
 
         return {
             "optimal_interval_seconds": self.optimal_interval_seconds,
@@ -365,7 +365,7 @@ class PlanResult:
             "nodes": self.nodes,
             "save_seconds": self.save_seconds,
             "save_source": self.save_source,
-            "node_write_bytes_per_second": _whole(self.node_write_bytes_per_second),
+            "node_write_bytes_per_second": whole_rate(self.node_write_bytes_per_second),
             "mtbf_seconds": self.mtbf_seconds,
             "mtbf_source": self.mtbf_source,
             "node_mtbf_seconds": self.node_mtbf_seconds,
@@ -377,8 +377,8 @@ class PlanResult:
             "efficiency_chosen": self.efficiency_chosen,
             "hours_lost_per_day_optimal": self.hours_lost_per_day_optimal,
             "hours_lost_per_day_chosen": self.hours_lost_per_day_chosen,
-            "node_bandwidth_bytes_per_second": _whole(self.node_bandwidth_bytes_per_second),
-            "total_bandwidth_bytes_per_second": _whole(self.total_bandwidth_bytes_per_second),
+            "node_bandwidth_bytes_per_second": whole_rate(self.node_bandwidth_bytes_per_second),
+            "total_bandwidth_bytes_per_second": whole_rate(self.total_bandwidth_bytes_per_second),
             "local_capacity_bytes": self.local_capacity_bytes,
             "all_fit": self.all_fit,
             "hops": [whole(asdict(h)) for h in self.hops],
@@ -389,10 +389,10 @@ class PlanResult:
         }
 
 
-def _whole(rate: float | None) -> int | None:
+def whole_rate(rate: float | None) -> int | None:
     """A rate for JSON: whole bytes per second (None stays None).
 
-    >>> _whole(7103446.94778621), _whole(None)
+    >>> whole_rate(7103446.94778621), whole_rate(None)
     (7103447, None)
     """
     return None if rate is None else int(round(rate))

@@ -60,8 +60,15 @@ class TiersResult:
         return [t for t in self.tiers if t.ok is False]
 
     def to_dict(self) -> dict:
+        """The ``--json`` document: a tier's ``bwlimit`` is ``bwlimit_bytes_per_second``
+        there, an integer like every rate (README, "JSON vocabulary")."""
+        def tier(t: TierCheck) -> dict:
+            return {("bwlimit_bytes_per_second" if k == "bwlimit" else k):
+                    (None if v is None else round(v)) if k == "bwlimit" else v
+                    for k, v in asdict(t).items()}
+
         return {"config": self.config, "checked": self.checked, "ok": self.ok,
-                "tiers": [asdict(t) for t in self.tiers]}
+                "tiers": [tier(t) for t in self.tiers]}
 
 
 def check_tiers(config: Config, *, check: bool = True, timeout: float | None = None) -> TiersResult:

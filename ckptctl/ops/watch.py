@@ -130,6 +130,21 @@ def iso_time(ts: float | None) -> str | None:
     return iso_utc(ts)
 
 
+def arrival_time(arrival: dict) -> float:
+    """When a first-tier checkpoint arrived (seconds since the epoch), from an entry of
+    the status's ``arrivals``: ``modified`` (ISO-8601 UTC, as ``ls``), or ``time`` (a
+    number: the status files of ckptctl before 2026-12).
+
+    >>> arrival_time({"modified": "1970-01-01T00:16:40Z"}), arrival_time({"time": 5.0})
+    (1000.0, 5.0)
+    """
+    import calendar
+
+    if "modified" in arrival:
+        return float(calendar.timegm(time.strptime(arrival["modified"], "%Y-%m-%dT%H:%M:%SZ")))
+    return float(arrival["time"])
+
+
 def state_dir(config_path: str, node_rank: int | None = None) -> str:
     """Where watch keeps its log, status and lock for the config at ``config_path``:
     ``$XDG_CACHE_HOME`` (default ``~/.cache``) ``/ckptctl/watch/<16 hex digits>``, with
@@ -255,7 +270,7 @@ class MeasuredPlan:
     at its write rate, "(a write)"). No save time or MTBF is known here: the optimal
     interval is ``ckptctl plan``'s."""
 
-    checkpoint: str
+    checkpoint_name: str
     checkpoint_bytes: int
     interval_seconds: float | None
     gaps: int
@@ -272,9 +287,18 @@ class MeasuredPlan:
         return False if False in fits else None if None in fits or not fits else True
 
     def to_dict(self) -> dict:
-        return {**{k: v for k, v in asdict(self).items() if k not in ("hops", "recovery")},
-                "all_fit": self.all_fit, "hops": [asdict(h) for h in self.hops],
-                "recovery": [{**asdict(r), "rate_kind": r.rate_kind} for r in self.recovery]}
+        from .plan import whole_rate
+
+        def whole(d: dict) -> dict:
+            return {**d, "bytes_per_second": whole_rate(d["bytes_per_second"])}
+
+        doc = {k: v for k, v in asdict(self).items() if k not in ("hops", "recovery")}
+        doc["node_bandwidth_bytes_per_second"] = whole_rate(
+            self.node_bandwidth_bytes_per_second)
+        return {**doc, "all_fit": self.all_fit,
+                "hops": [whole(asdict(h)) for h in self.hops],
+                "recovery": [whole({**asdict(r), "rate_kind": r.rate_kind})
+                             for r in self.recovery]}
 
 
 def measured_plan(config: Config, doc: dict | None) -> MeasuredPlan | None:
@@ -294,8 +318,8 @@ def measured_plan(config: Config, doc: dict | None) -> MeasuredPlan | None:
     arrivals = (doc or {}).get("arrivals") or []
     if not arrivals or not config.tiers:
         return None
-    newest = max(arrivals, key=lambda a: a["time"])
-    times = sorted(a["time"] for a in arrivals)
+    newest = max(arrivals, key=arrival_time)
+    times = sorted(map(arrival_time, arrivals))
     gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
     tau = statistics.median(gaps) if gaps else None
     last: dict[tuple[str, str], dict] = {}  # (src, dst) -> its newest hop that moved bytes
@@ -515,7 +539,7 @@ class Watcher:
         now) for the interval and size ``--status`` reports."""
         arrivals = self.status.setdefault("arrivals", [])
         arrivals.append({"name": name, "bytes": row.bytes,
-                         "time": row.modified if row.modified else now})
+                         "modified": iso_time(row.modified if row.modified else now)})
         del arrivals[:-ARRIVALS_KEPT]
 
     # -- one pass ---------------------------------------------------------------------
@@ -703,7 +727,7 @@ class Watcher:
         """For each tier after the first that could be listed: the age of the newest
         checkpoint committed in a tier before it and not yet in it (by its first-tier
         arrival time, else its commit marker's), 0.0 when none waits."""
-        arrived = {a["name"]: a["time"] for a in self.status.get("arrivals") or []}
+        arrived = {a["name"]: arrival_time(a) for a in self.status.get("arrivals") or []}
         now, out, before = self.clock(), {}, {}
         for tier, rows in zip(self.config.tiers, listings):
             if before and rows is not None:
@@ -805,7 +829,7 @@ class Watcher:
             self.status.setdefault("rates", {})[f"{src}->{dst}"] = round(rate)
         done = self.status.setdefault("done", [])
         done.append({"name": name, "src": src, "dst": dst, "action": action,
-                     "bytes": nbytes, "seconds": seconds, "time": iso_time(self.clock())})
+                     "bytes": nbytes, "seconds": seconds, "finished": iso_time(self.clock())})
         del done[:-DONE_KEPT]
 
     def _retain(self, p: WatchPass, i: int, listings: list) -> None:
