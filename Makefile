@@ -72,6 +72,7 @@ bench: venv
 
 docs: venv
 	$(BIN)/python tests/docsgen.py
+	$(BIN)/python tests/readme_session.py
 
 docs-check: venv
 	$(BIN)/python tests/docsgen.py --check

@@ -293,3 +293,15 @@ def test_fish_script_parses():
     r = subprocess.run(["fish", "--no-execute", str(ROOT / "completions" / f"{PROG}.fish")],
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def test_readme_session_is_what_ckptctl_prints(torch_ckpts, tmp_path):
+    """The README's sample session is a real run (tests/readme_session.py): the same
+    commands on the demo's checkpoint print the same, timings aside. Refresh it with
+    `.venv/bin/python tests/readme_session.py`."""
+    import readme_session as session
+
+    got = session.run(torch_ckpts.dcp["fsdp"], tmp_path)
+    want = session.block_of((ROOT / "README.md").read_text())
+    assert session.mask(want) == session.mask(got), (
+        "README.md's session differs from a real run: .venv/bin/python tests/readme_session.py")
