@@ -1,11 +1,11 @@
 """The README's sample session, from a real run: the commands below, run in-process on
-the demo's checkpoint (``make demo``'s torchrun FSDP2 save, byte for byte the test
-fixtures' ``fsdp/step-20``), their output pasted between the session markers.
+the demo's checkpoint (``make demo``'s torchrun FSDP2 save: the test fixtures'
+``fsdp/step-20``, the same bytes but for the path and save id in its ``.metadata``), their output pasted between the session markers.
 
     .venv/bin/python tests/readme_session.py        # rewrite README.md's session
 
 ``tests/test_docs.py`` runs the same commands and fails when the README says anything
-but what ckptctl prints, timings aside (:func:`mask`): the session cannot drift.
+but what ckptctl prints, timings and ids aside (:func:`mask`): the session cannot drift.
 """
 from __future__ import annotations
 
@@ -31,15 +31,17 @@ COMMANDS = [
     "--strip-prefix model. --dtype bf16",
 ]
 _SECONDS = re.compile(r"(\(|in )\d+(?:\.\d+)?s\b")
+_ID = re.compile(r"\b(xxh3-128|sha256):[0-9a-f]{32,64}\b")
 
 
 def mask(text: str) -> str:
-    """The session with its timings blanked (they differ on every run).
+    """The session with its timings and ids blanked: they differ on every run (a DCP
+    ``.metadata`` holds the path it was saved to and a save id, so a seal's id does too).
 
-    >>> mask("sealed (0.14s)\\nOK (5 files, 14.0 MiB read in 0.13s)")
-    'sealed (Ns)\\nOK (5 files, 14.0 MiB read in Ns)'
+    >>> mask("sealed (0.14s)\\nid xxh3-128:b4956cbd1b18d47146fa099365e4fb20\\nread in 0.13s")
+    'sealed (Ns)\\nid xxh3-128:ID\\nread in Ns'
     """
-    return _SECONDS.sub(lambda m: m.group(1) + "Ns", text)
+    return _ID.sub(lambda m: m.group(1) + ":ID", _SECONDS.sub(lambda m: m.group(1) + "Ns", text))
 
 
 def run(fsdp_step: Path, workdir: Path) -> str:

@@ -46,6 +46,20 @@ def resealed(folder: Path, tmp: Path) -> bytes:
     return (copy / MANIFEST).read_bytes()
 
 
+def resealed_in_place(url: str, storage_options: dict | None = None) -> tuple[bytes, bytes]:
+    """(the manifest the writer committed at ``url``, what ``seal`` writes there after it is
+    removed): in place, as a copy elsewhere (a download, another prefix) would carry new
+    modification times, and a manifest's ``created`` is its newest file's."""
+    from ckptctl.ops.seal import seal
+    from ckptctl.storage import open_store
+
+    store = open_store(url, storage_options)
+    written = store.read(MANIFEST)
+    store.remove(MANIFEST)
+    seal(url, storage_options)
+    return written, open_store(url, storage_options).read(MANIFEST)
+
+
 def verify_full(url: str, storage_options: dict | None = None) -> None:
     from ckptctl.ops.verify import verify
 
@@ -196,11 +210,12 @@ def test_memory_url(tmp_path):
 
     url = f"memory://sw-{uuid.uuid4().hex[:8]}/step-12"
     dcp.save(state(), storage_writer=SealingWriter(url))
-    fs = fsspec.filesystem("memory")
-    local = tmp_path / "step-12"
-    fs.get(url + "/", str(local) + "/", recursive=True)
-    assert (local / MANIFEST).read_bytes() == resealed(local, tmp_path)
+    written, sealed = resealed_in_place(url)
+    assert written == sealed
     verify_full(url)
+    local = tmp_path / "step-12"
+    fsspec.filesystem("memory").get(url + "/", str(local) + "/", recursive=True)
+    assert_loads(str(local), state())
 
 
 def test_s3_url(tmp_path, s3_bucket):
@@ -211,10 +226,11 @@ def test_s3_url(tmp_path, s3_bucket):
     url = s3_bucket.url("run/step-12")
     so = s3_bucket.storage_options
     dcp.save(state(), storage_writer=SealingWriter(url, storage_options=so))
+    written, sealed = resealed_in_place(url, so)
+    assert written == sealed
+    verify_full(url, so)
     local = tmp_path / "step-12"
     s3_bucket.fs().get(s3_bucket.path("run/step-12") + "/", str(local) + "/", recursive=True)
-    assert (local / MANIFEST).read_bytes() == resealed(local, tmp_path)
-    verify_full(url, so)
     assert_loads(str(local), state())
 
 
