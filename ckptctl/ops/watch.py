@@ -580,8 +580,6 @@ class Watcher:
         >>> p, name = w.drain_newest(); p.failed, name     # doctest: +SKIP
         ([], 'step-300')
         """
-        from .seal import seal
-
         p = WatchPass(self.clock())
         t0 = time.monotonic()
         self.urgent = True
@@ -606,15 +604,8 @@ class Watcher:
             if name in after and after[name].state in COMMITTED:
                 return p, name  # already there
             row = first[name]
-            if row.state != "sealed":
-                try:
-                    seal(row.url, tiers[0].storage_options)
-                except (CkptError, OSError) as e:
-                    self._fail(p, f"seal {tiers[0].name}:{name}", "seal", tiers[0].name, name, e)
-                    return p, name
-                self._event("sealed", tier=tiers[0].name, name=name, url=row.url)
-                p.sealed.append(name)
-            self._hop(p, tiers[0], tiers[1], row, name)
+            if self._seal(p, row):
+                self._hop(p, tiers[0], tiers[1], row, name)
             return p, name
         finally:
             self.urgent = False
@@ -684,8 +675,6 @@ class Watcher:
         return ready
 
     def _pass(self, p: WatchPass) -> None:
-        from .seal import seal
-
         tiers = self.config.tiers
         if self.node_rank is not None:
             from .multinode import node_pass, retain_node
@@ -701,21 +690,7 @@ class Watcher:
         first = listings[0]
         ready = self._ready(p, tiers[0], first) if first is not None else []
         for name in ready:
-            r = first[name]
-            if r.state == "sealed":
-                continue
-            key = f"seal {tiers[0].name}:{name}"
-            if self._waiting(key, self.clock()):
-                p.failed.append(self._waiting(key, self.clock()))
-                continue
-            try:
-                seal(r.url, tiers[0].storage_options)
-            except (CkptError, OSError) as e:
-                self._fail(p, key, "seal", tiers[0].name, name, e)
-                continue
-            self._ok(key)
-            p.sealed.append(name)
-            self._event("sealed", tier=tiers[0].name, name=name, url=r.url)
+            self._seal(p, first[name])
         if first is not None and p.sealed:
             listings[0] = first = self._list(p, tiers[0])
         self._hops(p, listings, set(ready))
@@ -738,6 +713,29 @@ class Watcher:
                 if r.state in COMMITTED:
                     before.setdefault(n, r)
         return out
+
+    def _seal(self, p: WatchPass, row) -> bool:
+        """Seal a first-tier checkpoint where it is (nothing to do when it is sealed);
+        False when it failed or its retry is not due (a failure recorded)."""
+        from .seal import seal
+
+        tier = self.config.tiers[0]
+        if row.state == "sealed":
+            return True
+        key = f"seal {tier.name}:{row.name}"
+        waiting = self._waiting(key, self.clock())
+        if waiting is not None:
+            p.failed.append(waiting)
+            return False
+        try:
+            seal(row.url, tier.storage_options)
+        except (CkptError, OSError) as e:
+            self._fail(p, key, "seal", tier.name, row.name, e)
+            return False
+        self._ok(key)
+        p.sealed.append(row.name)
+        self._event("sealed", tier=tier.name, name=row.name, url=row.url)
+        return True
 
     def _hops(self, p: WatchPass, listings: list, movable: set, start: int = 0) -> None:
         """Promote hop by hop from tier ``start`` on, appending each next tier's listing
