@@ -359,3 +359,14 @@ def test_notify_reaches_an_abstract_socket_and_ignores_a_watchdog_for_another_pi
     finally:
         s.close()
     assert not Notifier({"NOTIFY_SOCKET": "/nonexistent/socket"}).send(READY=1)
+
+
+def test_a_metrics_file_that_holds_something_else_is_refused(tmp_path):
+    cfg = _config(tmp_path)
+    before = cfg.read_bytes()
+    code, out, err = run_cli("--config", str(cfg), "watch", "--once", "--metrics-file", str(cfg))
+    assert code == 2 and "refusing to overwrite" in err and len(err.strip().splitlines()) == 1
+    assert cfg.read_bytes() == before  # the config it named is untouched
+    prom = tmp_path / "w.prom"
+    WatchMetrics(["hot", "warm"], path=str(prom)).write()
+    WatchMetrics(["hot", "warm"], path=str(prom))  # its own earlier file: fine

@@ -49,6 +49,26 @@ def parse_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
+def _refuse_foreign_file(path: str) -> None:
+    """``--metrics-file`` replaces its file whole: one that holds something else (a typo
+    naming the tier config) is refused, never overwritten.
+
+    >>> _refuse_foreign_file("/no/such/file.prom")
+    """
+    from ..errors import UsageError
+
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        raise UsageError(f"--metrics-file {path}: cannot read it ({e.strerror})") from None
+    if head and not head.startswith(b"# HELP ckptctl_watch_"):
+        raise UsageError(f"--metrics-file {path}: holds something other than watch's "
+                         "metrics; refusing to overwrite it (name a new *.prom file)")
+
+
 class WatchMetrics:
     """The registry of the metrics above for the tiers named ``tiers``; ``path``: the text
     file written after each event and pass; ``addr``: serve ``/metrics`` there (a daemon
@@ -63,6 +83,8 @@ class WatchMetrics:
                  warn: Callable[[str], None] | None = None):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+        if path:
+            _refuse_foreign_file(path)
         self.path = path
         self.warn = warn
         self._warned = False
