@@ -136,6 +136,10 @@ FILES = [
      "Resume journals of copies to S3 (multipart uploads already sent); a local "
      "destination keeps its journal, .ckptctl-promote.jsonl, in the hidden work folder "
      ".NAME.ckptctl-promote beside DST, renamed into place at commit."),
+    ("$XDG_CACHE_HOME/ckptctl/objects/",
+     "Small S3 objects of pack chains (indexes, manifests, data files up to 2 MiB), kept by "
+     "bucket, key, size and ETag so a pack hop reads each level once (64 MiB at most; safe "
+     "to delete). verify and restores never read from it."),
     (".ckptctl-dist/",
      "Where the processes of a torchrun/srun job meet in DST when there is no MASTER_ADDR; "
      "removed when the job ends."),

@@ -20,37 +20,51 @@ from ckptctl.ops.promote import promote
 from test_gc_packs import _ckpt, _files
 
 
-def _hop_requests(bucket, hot: Path, step: int) -> tuple[int, dict]:
+def _hop_requests(bucket, hot: Path, step: int, **kw) -> tuple[int, dict]:
     bucket.server.reset_log()
     r = promote(str(hot / f"step-{step}"), bucket.url(f"cold/step-{step}"),
-                dst_options=bucket.storage_options, pack=True)
+                dst_options=bucket.storage_options, pack=True, **kw)
     data_gets = [q for q in bucket.server.request_log()
                  if q.op == "GET" and "/data-" in q.key]
-    return len(bucket.server.request_log()), {"pack": r.pack, "data_gets": data_gets}
+    return len(bucket.server.request_log()), {"pack": r.pack, "data_gets": data_gets,
+                                              "log": bucket.server.request_log()}
 
 
-def test_hop_requests_do_not_grow_with_the_chain(s3_bucket, tmp_path):
+@pytest.mark.parametrize("delete_source", [False, True], ids=["copies-kept", "delete-source"])
+def test_hop_requests_do_not_grow_with_the_chain(s3_bucket, tmp_path, monkeypatch,
+                                                 delete_source):
+    """Each level of the chain is listed once in the tier's listing (the one ``--base
+    auto`` chose from) and its small files come from the object cache after the hop
+    that first read them: a hop at depth 6 asks what a hop at depth 2 asks."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     hot = tmp_path / "hot"
     counts, packs = {}, {}
     for step in range(1, 8):
         _ckpt(hot / f"step-{step}", step)
-        counts[step], packs[step] = _hop_requests(s3_bucket, hot, step)
+        want = _files(hot / f"step-{step}")
+        counts[step], packs[step] = _hop_requests(s3_bucket, hot, step,
+                                                  delete_source=delete_source)
     depths = {s: p["pack"]["depth"] for s, p in packs.items()}
     assert depths == {1: 0, 2: 1, 3: 2, 4: 3, 5: 4, 6: 5, 7: 6}
-    for s in range(2, 8):  # the base's content came from hot, proven: of the packs' data
-        # at most one read of each level's (small) data file: its packed manifest (the walk
-        # checks every level's id) comes from one whole GET
-        assert packs[s]["pack"]["base_read_from"] == str(hot / f"step-{s - 1}")
-        gets = packs[s]["data_gets"]
-        assert len(gets) <= s - 1 and len({q.key for q in gets}) == len(gets), (s, gets)
-        assert all(q.range is None for q in gets), gets  # whole small files, no chunk reads
-    # the chain walk costs a few small reads a level, nothing else grows with depth
-    per_level = (counts[7] - counts[2]) / 5
-    assert per_level <= 4, counts
-    # what was written restores byte for byte, through the whole chain
+    for s in range(3, 8):
+        assert counts[s] == counts[2], counts  # nothing grows with depth
+        # of the chain, only the newest level (made by the hop before) is read: its data
+        # file, whole (the packed manifest the walk checks the level's id against)
+        gets = {q.key.rsplit("/", 2)[-2] for q in packs[s]["log"]
+                if q.op == "GET" and "list-type" not in q.path}
+        assert gets <= {f"step-{s - 1}", f"step-{s}"}, (s, gets)
+        assert all(q.range is None for q in packs[s]["data_gets"])  # no chunk reads
+        if not delete_source:  # the base's content came from hot, proven first
+            assert packs[s]["pack"]["base_read_from"] == str(hot / f"step-{s - 1}")
+    # what was written restores byte for byte, through the whole chain (read from the
+    # store: a restore never takes the object cache's word)
+    s3_bucket.server.reset_log()
     out = tmp_path / "restored"
     unpack(s3_bucket.url("cold/step-7"), str(out), storage_options=s3_bucket.storage_options)
-    assert _files(out) == _files(hot / "step-7")
+    assert _files(out) == want
+    indexes = {q.key.rsplit("/", 2)[-2] for q in s3_bucket.server.request_log()
+               if q.key.endswith(PACK_INDEX)}
+    assert indexes == {f"step-{s}" for s in range(1, 8)}, indexes
 
 
 def test_a_plain_copy_that_no_longer_matches_is_not_used(s3_bucket, tmp_path):
@@ -104,8 +118,7 @@ def test_the_index_records_the_chain_below_its_base(s3_bucket, tmp_path):
 def test_a_chain_is_opened_at_once_and_read_one_file_a_level(s3_bucket, tmp_path):
     """Restoring the newest of 5 packs decodes through 4 levels. The server holds every
     request for level 3 until one for level 1 has come: a walk that opened level 1 only
-    after level 2 (after level 3) would never get there. Then every level's data file is
-    read once, whole."""
+    after level 2 (after level 3) would never get there. Then no data file is read twice."""
     hot = tmp_path / "hot"
     for step in range(1, 6):
         _ckpt(hot / f"step-{step}", step)
@@ -132,7 +145,9 @@ def test_a_chain_is_opened_at_once_and_read_one_file_a_level(s3_bucket, tmp_path
     assert not stuck, "level 1 was opened only after level 3"
     assert _files(out) == _files(hot / "step-5")
     data_gets = [q.key for q in srv.request_log() if q.op == "GET" and "/data-" in q.key]
-    assert sorted(data_gets) == sorted(set(data_gets)) and len(data_gets) == 5, data_gets
+    # each level's data file is read once at most, whole (only those a chunk decodes from:
+    # a level's own manifest, packed in its data, is not needed to check its id)
+    assert sorted(data_gets) == sorted(set(data_gets)) and data_gets, data_gets
 
 
 @pytest.mark.parametrize("chain", ["../step-1", [1], ["x" * 5000], ["../a"] * 65])
@@ -160,7 +175,8 @@ def test_a_chain_naming_other_places_is_not_read_ahead(s3_bucket, tmp_path, monk
         _hop_requests(s3_bucket, hot, step)
     asked = []
     real = fpack._read_ahead
-    monkeypatch.setattr(fpack, "_read_ahead", lambda urls, so: asked.extend(urls) or real(urls, so))
+    monkeypatch.setattr(fpack, "_read_ahead",
+                        lambda urls, so, walk=None: asked.extend(urls) or real(urls, so, walk))
     ps, _, _ = fpack.pack_view(locate(s3_bucket.url("cold/step-3"), s3_bucket.storage_options),
                                s3_bucket.storage_options)
     ps.index.base["chain"] = ["../step-1", "http://127.0.0.1:9/elsewhere", "/etc"]

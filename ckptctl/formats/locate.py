@@ -10,6 +10,7 @@ pack's base) both start here.
 """
 from __future__ import annotations
 
+import posixpath
 import re
 
 from ..errors import FormatError, NotFoundError, UnsupportedFormatError, UsageError
@@ -200,6 +201,25 @@ def locate(url: str, storage_options: dict | None = None, *,
     if not store.isdir():  # a file, of no format ckptctl reads
         raise UnsupportedFormatError(url, "not a checkpoint")
     raise UnsupportedFormatError(url, "empty: no checkpoint files here")
+
+
+def located_in(store, rel: str, group: dict[str, int]) -> tuple:
+    """What :func:`~ckptctl.formats.detect.locate` would return for one candidate, cut
+    from the root's listing: the checkpoint is classified without listing it again (and
+    dated from the listing's modification times, no HEAD each). ``group``: its files as
+    :func:`~ckptctl.formats.detect.group_checkpoints` groups the root's listing.
+
+    >>> s = open_store("/tmp")
+    >>> located_in(s, "run/step-1", {"run/step-1/a.safetensors": 8})[1:]
+    ({'a.safetensors': 8}, None)
+    """
+    if rel in group:  # a lone torch.save file
+        d, name = posixpath.split(rel)
+        return (store.child(d, listed={rel: name}) if d else store), {name: group[rel]}, name
+    if not rel:
+        return store, dict(group), None
+    return (store.child(rel, listed={k: k[len(rel) + 1:] for k in group}),
+            {k[len(rel) + 1:]: v for k, v in group.items()}, None)
 
 
 def refuse_save_folder(located: tuple, url: str, verb: str) -> None:

@@ -808,27 +808,57 @@ def chain_urls(pack_url: str, index: PackIndex) -> list[str]:
     return [join_url(pack_url, rel) for rel in [base["url"], *(base.get("chain") or [])]]
 
 
-def _open_level(url: str, storage_options: dict | None, ahead: dict) -> tuple:
+class ChainWalk(dict):
+    """What one walk down a delta chain shares between its levels: as a dict, the levels
+    opened ahead of need (url -> Future, :func:`_read_ahead`); ``listed``: a listing of
+    the folder that holds the levels, already made (``(store, groups)``, the groups of
+    :func:`~ckptctl.formats.detect.group_checkpoints`), so a level found there is opened
+    without a listing of its own; ``persist``: the levels' small files may come from the
+    persistent object cache (:mod:`~ckptctl.storage.objcache`): a pack hop's walks, where
+    a chain of 8 then costs what a chain of 1 does; never a verify or a restore, which
+    must read what the store holds.
+
+    >>> ChainWalk().locate("/nonexistent/x", None)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ckptctl.errors.NotFoundError: /nonexistent/x: no such file or directory
+    """
+
+    def __init__(self, listed: tuple | None = None, persist: bool = False):
+        super().__init__()
+        self.listed, self.persist, self.started = listed, persist, False
+
+    def locate(self, url: str, storage_options: dict | None) -> tuple:
+        """:func:`~ckptctl.formats.locate.locate` of ``url``, cut from ``listed`` when the
+        listing holds that folder."""
+        from .locate import locate, located_in
+
+        if self.listed is not None:
+            root, groups = self.listed
+            prefix = root.url.rstrip("/") + "/"
+            rel = url[len(prefix):].strip("/") if url.startswith(prefix) else None
+            if rel and rel in groups:
+                return located_in(root, rel, groups[rel])
+        return locate(url, storage_options)
+
+
+def _open_level(url: str, storage_options: dict | None, ahead: ChainWalk) -> tuple:
     """What :func:`pack_view` makes of a chain level at ``url``, read with its small files
     whole: the listing, manifest and index, and (when it is a pack) its packed manifest,
     decoded. Run ahead of need on a thread (:func:`_read_ahead`)."""
-    from .locate import locate
-
-    store, files, single = located = locate(url, storage_options)
+    store, files, single = located = ahead.locate(url, storage_options)
     if single or not is_pack(files) or WRITING_MARKER in files:
         return located  # the resolver says what is wrong with it
     ps = open_pack(store, files, storage_options=storage_options, ahead=ahead)
-    if not any(c.mode in ("xor", "same") for c in ps.index.files[MANIFEST].refs):
-        Manifest.read(ps, ps.files)  # what the resolver checks next: cached now
     return ps, ps.list_files(), None
 
 
-def _whole_small_files(store: Store, files: dict[str, int]) -> None:
+def _whole_small_files(store: Store, files: dict[str, int], persist: bool = False) -> None:
     """A pack's files of up to :data:`CHAIN_WHOLE_FILE` bytes come in one GET each when
     first read (no effect on local stores): a delta decodes against every level of its
-    chain, chunk by chunk."""
+    chain, chunk by chunk. ``persist``: see :class:`ChainWalk`."""
     store.cache_small_files({rel: n for rel, n in files.items() if n <= CHAIN_WHOLE_FILE},
-                            max_file=CHAIN_WHOLE_FILE, budget=CHAIN_CACHE_BUDGET)
+                            max_file=CHAIN_WHOLE_FILE, budget=CHAIN_CACHE_BUDGET,
+                            persist=persist)
 
 
 def _read_ahead_urls(pack_url: str, index: PackIndex) -> list[str]:
@@ -849,14 +879,16 @@ def _read_ahead_urls(pack_url: str, index: PackIndex) -> list[str]:
             rel.startswith("/")]
 
 
-def _read_ahead(urls: list[str], storage_options: dict | None) -> dict:
+def _read_ahead(urls: list[str], storage_options: dict | None,
+                walk: ChainWalk | None = None) -> ChainWalk:
     """Open the chain levels at ``urls`` at once, one thread each: url -> Future of what
-    :func:`_open_level` returns. The walk down a chain of 8 then waits about as long as
-    for one level; it takes each level from here, or opens it itself when that failed
-    (so its errors are the usual ones)."""
+    :func:`_open_level` returns, in ``walk`` (a new one by default). The walk down a
+    chain of 8 then waits about as long as for one level; it takes each level from here,
+    or opens it itself when that failed (so its errors are the usual ones)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    ahead: dict = {}
+    ahead = walk if walk is not None else ChainWalk()
+    ahead.started = True
     if not urls:
         return ahead
     pool = ThreadPoolExecutor(len(urls), thread_name_prefix="ckptctl-chain")
@@ -870,28 +902,27 @@ def _read_ahead(urls: list[str], storage_options: dict | None) -> dict:
 
 def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
                   storage_options: dict | None = None, *,
-                  ahead: dict | None = None) -> Callable[[], object]:
+                  ahead: ChainWalk | None = None) -> Callable[[], object]:
     """A function that opens a delta pack's base: ``base`` (a URL) when given, else the
     URL the index records (relative to the pack). The base must be sealed and its
     checkpoint id must be the one the pack was made against; it may itself be a pack.
     On a remote store the first call also starts opening the levels below it that the
-    index's chain names (``ahead``: those already started, shared down the chain).
+    index's chain names (``ahead``: the walk this level belongs to, shared down the
+    chain; see :class:`ChainWalk`).
 
     >>> base_store = base_resolver(url, index, "ckpt/step-1000")()  # doctest: +SKIP
     """
     want = index.base["id"] if index.base else None
 
     def resolve():
-        from .locate import locate
-
         url = base or (join_url(pack_url, index.base["url"]) if index.base.get("url") else None)
         if url is None:
             raise NotFoundError(pack_url, f"delta pack needs its base {want}; pass --base URL",
                                 code="MISSING_BASE")
         shared = ahead
-        if shared is None:  # the top of a walk: the levels below the base, all at once
-            below = _read_ahead_urls(pack_url, index) if base is None else []
-            shared = _read_ahead(below, storage_options)
+        if shared is None or not shared.started:  # the top of a walk: the levels below
+            below = _read_ahead_urls(pack_url, index) if base is None else []  # the base
+            shared = _read_ahead(below, storage_options, shared)
         located = None
         if url in shared:
             try:
@@ -900,7 +931,7 @@ def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
                 located = None  # asked again below: the answer reported is that one
         try:
             if located is None:
-                located = locate(url, storage_options)
+                located = shared.locate(url, storage_options)
             store, files, single = pack_view(located, storage_options, ahead=shared)
         except NotFoundError:
             raise NotFoundError(url, f"base of {pack_url} not found (the pack needs checkpoint "
@@ -909,7 +940,10 @@ def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
             raise FormatError(url, f"base of {pack_url} is held by a ckptctl writer or "
                               f"remover ({WRITING_MARKER}); the pack needs checkpoint {want}",
                               code="MISSING_BASE")
-        man = None if single else Manifest.read(store, files)
+        # a pack names the checkpoint it restores in its own manifest, checked against its
+        # index when opened: the packed manifest (in a data file) need not be decoded
+        man = store.manifest if isinstance(store, PackStore) else \
+            None if single else Manifest.read(store, files)
         if man is None:
             raise FormatError(url, f"base is not sealed, so its id cannot be checked (the pack "
                               f"needs checkpoint {want}); run `ckptctl seal` on it",
@@ -928,7 +962,7 @@ def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
 
 def open_pack(store: Store, files: dict[str, int], *, base: str | None = None,
               storage_options: dict | None = None, workers: int | None = None,
-              ahead: dict | None = None) -> PackStore:
+              ahead: ChainWalk | None = None) -> PackStore:
     """Open the pack at ``store`` (``files``: its listing) as the checkpoint it holds.
 
     The pack's own manifest must be there (a pack without one is an unfinished write) and
@@ -939,7 +973,7 @@ def open_pack(store: Store, files: dict[str, int], *, base: str | None = None,
     >>> ps = open_pack(store, store.list_files()); ps.info()["ratio"]  # doctest: +SKIP
     1.51
     """
-    _whole_small_files(store, files)
+    _whole_small_files(store, files, persist=ahead is not None and ahead.persist)
     man = Manifest.read(store, files)
     if man is None or WRITING_MARKER in files:
         raise FormatError(store.url, "pack is not committed (no manifest: a pack write did "
@@ -963,7 +997,7 @@ def open_pack(store: Store, files: dict[str, int], *, base: str | None = None,
 
 
 def pack_view(located: tuple, storage_options: dict | None = None, *,
-              base: str | None = None, ahead: dict | None = None) -> tuple:
+              base: str | None = None, ahead: ChainWalk | None = None) -> tuple:
     """What :func:`~ckptctl.formats.detect.locate` returned, with a committed pack folder
     replaced by the checkpoint it holds (``(PackStore, original files, None)``); anything
     else (an unfinished pack write included) as it was. ``locate`` itself leaves a pack
@@ -984,4 +1018,4 @@ def pack_view(located: tuple, storage_options: dict | None = None, *,
 
 
 __all__ = ["PACK_INDEX", "PackIndex", "PackStore", "Segment", "ChunkRef", "is_pack",
-           "open_pack", "pack_view", "base_resolver", "chain_urls"]
+           "open_pack", "pack_view", "base_resolver", "chain_urls", "ChainWalk"]

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, fields
 
 from ..errors import CkptError, NotFoundError, StorageError, UnsupportedFormatError
 from ..formats.detect import detect_format, not_a_checkpoint, step_from_name
-from ..formats.locate import pointers
+from ..formats.locate import located_in, pointers
 from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest
 from ..formats.pack import is_pack
 from ..formats.torchsave import is_torch_file
@@ -125,19 +125,6 @@ def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
     from ..formats.detect import group_checkpoints as group
 
     return group(files)
-
-
-def located_in(store, rel: str, group: dict[str, int]) -> tuple:
-    """What :func:`~ckptctl.formats.detect.locate` would return for one candidate, cut
-    from the root's listing: the checkpoint is classified without listing it again (and
-    dated from the listing's modification times, no HEAD each)."""
-    if rel in group:  # a lone torch.save file
-        d, name = posixpath.split(rel)
-        return (store.child(d, listed={rel: name}) if d else store), {name: group[rel]}, name
-    if not rel:
-        return store, dict(group), None
-    return (store.child(rel, listed={k: k[len(rel) + 1:] for k in group}),
-            {k[len(rel) + 1:]: v for k, v in group.items()}, None)
 
 
 def listing_state(files: dict[str, int], where: str) -> tuple[StateReport, bool] | None:

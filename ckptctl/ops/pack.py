@@ -322,18 +322,24 @@ def _source(src: str, options: dict | None, workers: int, *, seal_source: bool |
 
 
 def _open_base(base: str, options: dict | None, *, plain_copy: str | None = None,
-               plain_options: dict | None = None, max_depth: int = MAX_DEPTH):
+               plain_options: dict | None = None, max_depth: int = MAX_DEPTH,
+               listed: tuple | None = None):
     """(store, files, checkpoint, id, depth, read from, chain) of a sealed base (a pack
     works too; ``chain``: the URLs of its own bases, nearest first). ``plain_copy``:
     where a plain copy of a packed base may be (the source's sibling of the same name);
     when it holds the same checkpoint (same id) and its bytes hash to its manifest, the
     base's content is read from there (``read from`` is its URL, else None): a delta chain
     decodes level by level over the network, so reading through it costs time that grows
-    with its depth."""
-    from ..formats.detect import locate, open_checkpoint
-    from ..formats.pack import chain_urls, pack_view
+    with its depth. ``listed``: a listing of the folder holding the base and its chain,
+    just made (``--base auto`` chose from it): no level is listed again. The chain's
+    small files come from the object cache where it holds them (a level does not change
+    once committed; :class:`~ckptctl.formats.pack.ChainWalk`), so a walk costs the same
+    at depth 8 as at depth 1."""
+    from ..formats.detect import open_checkpoint
+    from ..formats.pack import ChainWalk, chain_urls, pack_view
 
-    located = pack_view(locate(base, options), options)
+    walk = ChainWalk(listed=listed, persist=True)
+    located = pack_view(walk.locate(base, options), options, ahead=walk)
     store, files, single = located
     chain = chain_urls(store.url, store.index) if isinstance(store, PackStore) else []
     if isinstance(store, PackStore) and store.index.depth + 1 <= max_depth:
@@ -347,7 +353,8 @@ def _open_base(base: str, options: dict | None, *, plain_copy: str | None = None
         copy = _proven_copy(plain_copy, plain_options, bid)
         if copy is not None:
             return (*copy, bid, depth, plain_copy, chain)
-    man = None if single else Manifest.read(store, files)
+    man = store.manifest if isinstance(store, PackStore) else \
+        None if single else Manifest.read(store, files)  # (a pack's names what it restores)
     if man is None:
         raise UsageError(f"--base must be a sealed checkpoint folder (run `ckptctl seal "
                          f"{base}` first)", base)
@@ -426,7 +433,8 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
          base_storage_options: dict | None = None,
          on_bytes: Callable[[int], None] | None = None,
          on_total: Callable[[int], None] | None = None, group=None,
-         seal_source: bool | None = None, source_manifest: bytes | None = None) -> PackResult:
+         seal_source: bool | None = None, source_manifest: bytes | None = None,
+         base_listing: tuple | None = None) -> PackResult:
     """Write checkpoint ``src`` as a pack at ``dst`` (see the module docstring).
 
     An unsealed but complete source is hashed first (an incomplete one is refused,
@@ -439,7 +447,8 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
     (``full_reason`` says so). ``group``: a :class:`~ckptctl.ops.distributed.Group`
     (``Group.from_env()`` under torchrun/srun): data file unit ``u`` (see
     :func:`data_layout`) is process ``u % world_size``'s, rank 0 writes the index and the
-    manifest; the same bytes whatever the number of processes.
+    manifest; the same bytes whatever the number of processes. ``base_listing``: a fresh
+    listing of the folder holding ``base`` (see :func:`_open_base`).
 
     >>> pack("ckpt/step-200", "packs/step-200", level=3).ratio        # doctest: +SKIP
     1.43
@@ -469,7 +478,7 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
         bstore, bfiles, bck, bid, bdepth, base_read, chain = _open_base(
             base, base_storage_options if base_storage_options is not None
             else storage_options, plain_copy=_sibling(src, base), plain_options=storage_options,
-            max_depth=max_chain)
+            max_depth=max_chain, listed=base_listing)
         if bdepth > max_chain:
             full_reason = (f"base chain would be {bdepth} deep, past --max-chain {max_chain}: "
                            "wrote a full pack")

@@ -589,8 +589,9 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
                           code="ALREADY_EXISTS")
         force = True  # what a killed pack or unpack left: started afresh
     auto_base = pack and base == "auto"
+    listed = None
     if auto_base:
-        base = _newest_beside(final, dst, dst_options)
+        base, listed = _newest_beside(final, dst, dst_options)
         if base is not None and delete_source and _overlaps(open_store(base, dst_options),
                                                             sstore):
             base = None  # the source itself: about to go, so no base for the copy
@@ -607,7 +608,8 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
                            storage_options=src_options, dst_storage_options=dst_options,
                            base_storage_options=dst_options, on_bytes=on_bytes,
                            on_total=on_total,
-                           source_manifest=raw if MANIFEST not in sfiles else None)
+                           source_manifest=raw if MANIFEST not in sfiles else None,
+                           base_listing=listed if base_url is not None else None)
 
         try:
             r = pack_against(base)
@@ -631,9 +633,11 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
                    delete_source, t0)
 
 
-def _newest_beside(final: Store, dst: str, options: dict | None) -> str | None:
+def _newest_beside(final: Store, dst: str, options: dict | None) -> tuple[str | None, tuple]:
     """``--base auto``: the newest committed checkpoint in the folder that will hold
-    ``dst`` (a pack or not), or None (a full pack). One listing names the candidates
+    ``dst`` (a pack or not), or None (a full pack), and that folder's listing as
+    ``(store, groups)`` (a base chain's levels are found there without a listing each;
+    None when there was none). One listing names the candidates
     (a manifest, no writer's marker), newest first by the step in the name, then the
     commit time; only they are read, newest first, until one is committed
     (:func:`~ckptctl.ops.state.checkpoint_state`). ``latest`` would read every
@@ -641,19 +645,20 @@ def _newest_beside(final: Store, dst: str, options: dict | None) -> str | None:
     would grow with the tier."""
     from ..formats.detect import group_checkpoints, step_from_name
     from ..formats.pack import is_pack
-    from .ls import located_in
+    from ..formats.locate import located_in
     from .policy import Item, newest_first
     from .state import checkpoint_state
 
     parent = dst.rstrip("/").rsplit("/", 1)[0] if "/" in dst.rstrip("/") else "."
     if not final.is_local and parent.endswith(":/"):
-        return None  # a bucket root has no parent folder to look in
+        return None, None  # a bucket root has no parent folder to look in
     try:
         root = open_store(parent, options)
         files = root.list_files()
     except CkptError:  # nothing there yet, or not a place that lists
-        return None
+        return None, None
     groups = group_checkpoints(files)
+    listed = (root, groups)
     items = []
     for rel, group in groups.items():
         own = {k[len(rel) + 1:] for k in group} if rel else set(group)
@@ -667,11 +672,11 @@ def _newest_beside(final: Store, dst: str, options: dict | None) -> str | None:
         url = root.display(item.name)
         located = located_in(root, item.name, groups[item.name])
         if is_pack(located[1]):  # committed (its manifest is there); the pack writer walks
-            return url  # its chain, and promote falls back to a full pack if it is broken
+            return url, listed  # its chain, and promote falls back to a full pack if broken
         if Item(item.name, item.step, item.time,
                 checkpoint_state(url, options, located=located).state).committed:
-            return url
-    return None
+            return url, listed
+    return None, listed
 
 
 def _requests(store: Store) -> dict:
@@ -737,13 +742,18 @@ def _restores_without(final: Store, options: dict | None, source: Store) -> None
     >>> import tempfile
     >>> _restores_without(open_store(tempfile.mkdtemp()), None, open_store(tempfile.mkdtemp()))
     """
-    from ..formats.pack import PackStore, is_pack, open_pack
+    from ..formats.detect import group_checkpoints
+    from ..formats.pack import ChainWalk, PackStore, is_pack, open_pack
     from .verify import base_unrestorable
 
     files = final.list_files() if final.exists() else {}
     if not is_pack(files):
         return
-    ps = open_pack(final, files, storage_options=options)
+    walk = ChainWalk(persist=True)  # the levels' small files from the object cache
+    ps = open_pack(final, files, storage_options=options, ahead=walk)
+    if not final.is_local and ps.index.base:  # (the walk starts at the first base lookup)
+        parent = final.parent()  # the chain's levels are its siblings: one listing, fresh
+        walk.listed = (parent, group_checkpoints(parent.list_files()))
     opened = [ps]
     try:
         while isinstance(ps, PackStore) and ps.index.base:

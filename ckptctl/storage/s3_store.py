@@ -77,7 +77,8 @@ class S3Store(Store):
             for o in page.get("Contents") or []:
                 if not o["Key"].endswith("/"):  # a folder marker, not a file
                     found[f"{bucket}/{o['Key']}"] = {"size": o.get("Size", 0),
-                                                     "LastModified": o.get("LastModified")}
+                                                     "LastModified": o.get("LastModified"),
+                                                     "ETag": o.get("ETag")}
             token = page.get("NextContinuationToken")
             if not page.get("IsTruncated") or not token:
                 return found

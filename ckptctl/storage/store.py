@@ -43,6 +43,8 @@ class IOStats:
     deletes: int = 0
     #: other requests: multipart create/complete/abort, server-side copies
     requests: int = 0
+    #: small files served by the persistent object cache (no request)
+    cache_hits: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,9 +147,13 @@ class Store:
         self.stats = IOStats()
         self._lock = threading.Lock()
         self._small: "SmallFileCache | None" = None
+        self._objects = None  # the persistent object cache, once cache_small_files(persist)
         #: remote files' modification times from the last listing that showed them: ``ls``
         #: and ``gc`` date checkpoints without one HEAD request each
         self._mtimes: dict[str, float] = {}
+        #: remote files' ETags from the same listings: what identifies an object's bytes
+        #: to the persistent object cache (:mod:`~ckptctl.storage.objcache`)
+        self._etags: dict[str, str] = {}
 
     @property
     def fs(self):
@@ -159,17 +165,24 @@ class Store:
         return self._fs
 
     def cache_small_files(self, sizes: dict[str, int], *, max_file: int = 16 << 20,
-                          budget: int = 256 << 20) -> None:
+                          budget: int = 256 << 20, persist: bool = False) -> None:
         """Serve ranged reads of small remote files from one whole-file GET each (LRU,
         ``budget`` bytes at most): a DCP checkpoint of many small chunks then costs one
         request per file, not several per chunk; whole reads (:meth:`read`) share it. A
         second call keeps what is cached (one opened checkpoint passed on: seal, ls). No
-        effect on local stores."""
+        effect on local stores. ``persist``: files the listing showed with an ETag come
+        from the object cache on local disk when it holds them, and go there when read
+        (:mod:`~ckptctl.storage.objcache`; for a chain walk, never for what must prove
+        the store's bytes)."""
         if self._small is None:
             self._small = SmallFileCache(sizes, max_file, budget)
         else:
             with self._small.lock:
                 self._small.sizes.update(sizes)
+        if persist and self._objects is None:
+            from .objcache import default_cache
+
+            self._objects = default_cache()
 
     def _cached(self, rel: str) -> bool:
         return self._small is not None and self._small.wants(rel)
@@ -194,6 +207,8 @@ class Store:
             with self._lock:
                 sub._mtimes.update({new: self._mtimes[old] for old, new in listed.items()
                                     if old in self._mtimes})
+                sub._etags.update({new: self._etags[old] for old, new in listed.items()
+                                   if old in self._etags})
         return sub
 
     def parent(self) -> "Store":
@@ -297,7 +312,7 @@ class Store:
         if end <= start:
             return b""
         if self._cached(rel):
-            return self._small.get(rel, lambda: self._read_whole(rel))[start:end]
+            return self._small.get(rel, lambda: self._load_small(rel))[start:end]
         with self._errors(rel):
             data = self._pread(rel, start, end)
         with self._lock:
@@ -328,6 +343,7 @@ class Store:
         """A file about to change is no longer served from the small-file cache."""
         with self._lock:
             self._mtimes.pop(rel, None)
+            self._etags.pop(rel, None)
         if self._small is not None:
             with self._small.lock:
                 self._small.sizes.pop(rel, None)
@@ -342,7 +358,7 @@ class Store:
     def read(self, rel: str) -> bytes:
         """A whole (small) file; from the small-file cache when it is on and holds it."""
         if self._cached(rel):
-            return self._small.get(rel, lambda: self._read_whole(rel))
+            return self._small.get(rel, lambda: self._load_small(rel))
         return self._read_whole(rel)
 
     def iter_blocks(self, rel: str, *, block: int = 8 << 20,
@@ -396,6 +412,24 @@ class Store:
         finally:
             with contextlib.suppress(Exception):
                 f.close()
+
+    def _load_small(self, rel: str) -> bytes:
+        """A small file for the small-file cache: from the object cache when it holds the
+        object the listing showed (same key, size and ETag), else read and kept there."""
+        with self._lock:
+            etag = self._etags.get(rel)
+        size = self._small.sizes.get(rel) if self._small is not None else None
+        if self._objects is None or not etag or size is None:
+            return self._read_whole(rel)
+        ident = (self._server(), self.full(rel), size, etag)
+        blob = self._objects.get(ident)
+        if blob is None:
+            blob = self._read_whole(rel)
+            self._objects.put(ident, blob)
+        else:
+            with self._lock:
+                self.stats.cache_hits += 1
+        return blob
 
     def _read_whole(self, rel: str) -> bytes:
         with self._errors(rel):
@@ -457,10 +491,12 @@ class Store:
             name = name.rstrip("/")  # fsspec names S3 objects bucket/key, like our root
             if name.startswith(prefix):
                 out[name[len(prefix):]] = int(info.get("size") or 0)
-                when = info.get("LastModified")
-                if hasattr(when, "timestamp"):
-                    with self._lock:
+                when, etag = info.get("LastModified"), info.get("ETag")
+                with self._lock:
+                    if hasattr(when, "timestamp"):
                         self._mtimes[name[len(prefix):]] = when.timestamp()
+                    if isinstance(etag, str) and etag.strip('"'):
+                        self._etags[name[len(prefix):]] = etag
         return dict(sorted(out.items()))
 
     def _listed_prefix(self) -> str:
