@@ -76,6 +76,100 @@ def kernel_copy(src_fd: int, dst_fd: int, offset: int, n: int, dst_offset: int |
     return done
 
 
+#: O_DIRECT wants the buffer's address, the file offset and the length aligned to the
+#: device's logical block size: 4 KiB covers every block size in use
+DIRECT_ALIGN = 4096
+#: file systems (``st_dev``) that refused O_DIRECT (tmpfs, older ZFS): buffered from then on
+_no_direct: set[int] = set()
+
+
+def aligned_buffer(n: int):
+    """A writable buffer of ``n`` bytes at a page-aligned address (an anonymous map: the
+    kernel hands out zeroed pages as they are first written, with no ``memset`` pass the
+    way ``bytearray(n)`` makes one), fit for :func:`write_at`'s O_DIRECT writes.
+
+    >>> b = aligned_buffer(8192); memoryview(b)[:3] = b"abc"; b[:4] == b"abc" + bytes(1)
+    True
+    """
+    import mmap
+
+    return mmap.mmap(-1, max(n, 1))
+
+
+def _address(mv: memoryview) -> int | None:
+    import ctypes
+
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(mv))
+    except (TypeError, ValueError):  # read-only (bytes) or empty
+        return None
+
+
+def write_at(path: str, data, offset: int) -> None:
+    """Write ``data`` at ``offset`` of the existing file ``path``. The aligned bulk goes
+    with O_DIRECT, straight from ``data`` to the disk, past the page cache (an aligned
+    address, offset and length: :func:`aligned_buffer`'s parts at part-size offsets);
+    the rest (a file's last bytes, or all of an unaligned write) through the page cache.
+    A download never reads what it wrote back (it hashed the parts as they arrived), so
+    filling the page cache with it only costs: on this kind of VM the same 2 GiB
+    ``pwrite`` from a hot buffer took 0.4-5.6 s through the page cache (fresh pages the
+    host must back) and 0.7-0.8 s with O_DIRECT. Durability still comes from the fsync of
+    the whole file (O_DIRECT does not make the file's size and extents durable). A file
+    system that refuses O_DIRECT (tmpfs) is written through the page cache.
+
+    >>> import tempfile
+    >>> f = tempfile.NamedTemporaryFile(); b = aligned_buffer(8195)
+    >>> memoryview(b)[:] = b"x" * 8195; write_at(f.name, b, 0)  # 8,192 direct, 3 buffered
+    >>> os.path.getsize(f.name), open(f.name, "rb").read() == b"x" * 8195
+    (8195, True)
+    """
+    mv = memoryview(data).cast("B")
+    n, done = mv.nbytes, 0
+    bulk = n - n % DIRECT_ALIGN
+    if bulk and offset % DIRECT_ALIGN == 0 and (_address(mv) or 1) % DIRECT_ALIGN == 0:
+        done = _write_direct(path, mv[:bulk], offset)
+    if done < n:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            while done < n:
+                done += os.pwrite(fd, mv[done:], offset + done)
+        finally:
+            os.close(fd)
+
+
+def _write_direct(path: str, mv: memoryview, offset: int) -> int:
+    """Bytes of ``mv`` written at ``offset`` with O_DIRECT (0 where the file system
+    refuses it; raises other errors, a full disk among them)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return 0
+    try:
+        fd = os.open(path, os.O_WRONLY | flag)
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        return 0
+    done = 0
+    try:
+        dev = os.fstat(fd).st_dev
+        if dev in _no_direct:
+            return 0
+        while done < mv.nbytes:
+            try:
+                got = os.pwrite(fd, mv[done:], offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                _no_direct.add(dev)  # alignment this device will not take: buffered
+                return done
+            done += got
+            if got % DIRECT_ALIGN:
+                break  # a short write left the rest unaligned: through the page cache
+    finally:
+        os.close(fd)
+    return done
+
+
 def start_writeback(fd: int, offset: int, n: int) -> bool:
     """Start writing ``n`` bytes at ``offset`` of ``fd`` back to the disk now, without
     waiting (``sync_file_range(SYNC_FILE_RANGE_WRITE)``; Linux). Left alone, the kernel

@@ -6,7 +6,8 @@ implements the same contract, so ``promote`` has one code path:
 
 - :func:`create_upload` makes a hidden data file ``.<name>.<upload_id>.upload`` beside the
   target and a sidecar ``.<name>.<upload_id>.parts`` of JSON lines;
-- :func:`upload_part` ``pwrite``\\ s the part at ``(number - 1) * part_size``, then appends
+- :func:`upload_part` writes the part at ``(number - 1) * part_size`` (its aligned bulk
+  with O_DIRECT, past the page cache: :func:`~ckptctl.storage.localio.write_at`), then appends
   the part's line to the sidecar (a part is listed only once its bytes are written); the
   part size is the one given to :func:`create_upload`, else the size of part 1 (then part 1
   must come first); :func:`copy_part` does the same with bytes of a local file, copied in
@@ -41,7 +42,7 @@ import uuid
 from dataclasses import dataclass
 
 from ..errors import NotFoundError, StorageError, UsageError
-from .localio import kernel_copy, sync_dir
+from .localio import kernel_copy, sync_dir, write_at
 from .failures import error_code
 from .local_store import local_temp
 from .store import Store
@@ -249,13 +250,8 @@ def upload_part(store: Store, rel: str, upload_id: str, number: int,
         _, path, sidecar = _local_paths(store, rel, upload_id)
         with store._errors(rel):
             size = _local_part_size(store, rel, sidecar, number, n)
-            fd = _open_upload(store, rel, path)
-            try:
-                mv, off, done = memoryview(data).cast("B"), (number - 1) * size, 0
-                while done < n:
-                    done += os.pwrite(fd, mv[done:], off + done)
-            finally:
-                os.close(fd)
+            os.close(_open_upload(store, rel, path))  # (a missing upload: NotFoundError)
+            write_at(path, data, (number - 1) * size)
             etag = xxhash.xxh3_128(data).hexdigest()
             _append_line(sidecar, {"n": number, "etag": etag, "size": n}, sync=False)
         store._count(writes=1, bytes_written=n)

@@ -24,7 +24,7 @@ from ..errors import CkptError, Finding
 from . import multipart
 from .hashing import hash_file, new_hasher
 from .journal import Journal
-from .localio import start_writeback
+from .localio import aligned_buffer, start_writeback
 from .ratelimit import RateLimiter
 from .retry import with_retries
 from .store import Store
@@ -92,7 +92,7 @@ class Transfer:
         self.in_flight = threading.BoundedSemaphore(2 * self.workers)
         # local sources are read into these, reused: first touches of fresh memory run at
         # a fraction of copy speed (FACTS.md), and a part a second costs a fresh buffer
-        self._buffers: list[bytearray] = []
+        self._buffers: list = []  # localio.aligned_buffer()s
         self._buffers_lock = threading.Lock()
         self.server_copy = (not src.is_local and src.same_server(dst)
                             and dst.caps.server_side_copy)
@@ -151,7 +151,7 @@ class Transfer:
             self.flush()
 
     def _take(self, n: int, hash_one: Callable[[], bool] | None = None
-              ) -> tuple[bytearray, memoryview]:
+              ) -> tuple[object, memoryview]:
         """A slot for one part in flight and a reused buffer of ``n`` bytes. While every
         slot is taken, ``hash_one()`` is called to hash (and so free) the caller's next
         part; it returns False when the caller holds no part waiting for its hash."""
@@ -162,11 +162,11 @@ class Transfer:
                 break
         with self._buffers_lock:
             buf = self._buffers.pop() if self._buffers else None
-        if buf is None or len(buf) < n:
-            buf = bytearray(max(n, self.part_size))
+        if buf is None or len(buf) < n:  # page-aligned: a local part goes out with O_DIRECT
+            buf = aligned_buffer(max(n, self.part_size))
         return buf, memoryview(buf)[:n]
 
-    def _give(self, buf: bytearray) -> None:
+    def _give(self, buf) -> None:
         with self._buffers_lock:
             self._buffers.append(buf)
         self.in_flight.release()
@@ -285,7 +285,7 @@ class Transfer:
         lock = threading.Lock()
         changed = threading.Event()  # a resumed part differs: the upload cannot be finished
 
-        def move(number: int, start: int, end: int, buf: bytearray, view: memoryview,
+        def move(number: int, start: int, end: int, buf, view: memoryview,
                  arrived: Future) -> None:
             """Read part ``number`` into ``view``, hand it to the hashing thread through
             ``arrived``, send it; the buffer goes back once both are done with it."""
