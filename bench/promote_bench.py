@@ -47,6 +47,7 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -74,7 +75,7 @@ from common import (
     work_dir,
     write_section,
 )
-from s3server import start_rclone
+from s3server import start_moto, start_rclone
 
 MB = 1e6
 MIB = 1 << 20
@@ -116,6 +117,17 @@ for i in range(n):
     index["metadata"]["total_size"] += t.numel() * 4
 with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
     json.dump(index, f)
+"""
+
+
+#: a download's floor on this machine, timed among the downloads: ``dd`` writing as many
+#: bytes to the same disk from /dev/zero and flushing them (no network, no hashing)
+FLOOR = "dd + fdatasync (floor)"
+
+MAKE_BUCKET = """
+import sys, botocore.session
+botocore.session.get_session().create_client("s3", region_name="us-east-1").create_bucket(
+    Bucket=sys.argv[1])
 """
 
 
@@ -410,6 +422,11 @@ class Bench:
                 cmds = self.upload_cmds(f"up{rep}", endpoint)
             else:
                 cmds = self.download_cmds(self.work / f"down{rep}", endpoint)
+                floor = self.work / f"down{rep}" / "dd"
+                floor.mkdir(parents=True, exist_ok=True)  # the same bytes, no network
+                cmds[FLOOR] = (["dd", "if=/dev/zero", f"of={floor / 'all.bin'}", "bs=4M",
+                                f"count={-(-self.nbytes // (4 << 20))}", "conv=fdatasync",
+                                "status=none"], None)
             for name in rotate(list(cmds), rep):
                 cmd, env = cmds[name]
                 warm(self.src_files if direction == "upload" else ref_files)
@@ -420,7 +437,8 @@ class Bench:
                 got = (self.uploaded(f"up{rep}", name) if direction == "upload"
                        else self.work / f"down{rep}" / name.split()[0])
                 want = self.want if direction == "upload" else self.ref_want
-                check_same(got, want, f"{name} {direction}")
+                if name != FLOOR:
+                    check_same(got, want, f"{name} {direction}")
                 rm(got)
             self.log(f"  {direction} round {rep + 1}: " + ", ".join(
                 f"{n} {s.runs[-1].wall_s:.2f}s" for n, s in series.items()))
@@ -464,6 +482,37 @@ class Bench:
                            f"{name} {direction} (counted)")
                 rm(got)
         return counts
+
+    def moto_count_rounds(self) -> dict[str, Counter]:
+        """The same counted runs against ``moto_server`` (exact AWS semantics: conditional
+        writes honoured, AWS's multipart ETags), through its counting proxy. Uploads are
+        proven by ``ckptctl verify --level full`` of what landed (the source's manifest
+        travels with it), downloads against the source's digests."""
+        rclone_srv, self.srv = self.srv, start_moto()
+        try:
+            env = self.env(self.srv.direct_endpoint_url)
+            subprocess.run([sys.executable, "-c", MAKE_BUCKET, BUCKET], env=env, check=True)
+            measure(self.promote_cmd(str(self.src), f"s3://{BUCKET}/ref"), env=env)
+            counts: dict[str, Counter] = {}
+            for direction in ("upload", "download"):
+                cmds = (self.upload_cmds("count", self.srv.endpoint_url)
+                        if direction == "upload"
+                        else self.download_cmds(self.work / "count", self.srv.endpoint_url))
+                for name, (cmd, cmd_env) in cmds.items():
+                    self.srv.reset_log()
+                    measure(cmd, env=cmd_env)
+                    counts[f"{direction} {name}"] = count_requests(self.srv.request_log())
+                    if direction == "upload":
+                        measure([self.ck, "verify", "--quiet", "--level", "full",
+                                 f"s3://{BUCKET}/count-{name.split()[0]}"], env=env)
+                    else:
+                        got = self.work / "count" / name.split()[0]
+                        check_same(got, self.ref_want, f"{name} download from moto")
+                        rm(got)
+            return counts
+        finally:
+            self.srv.stop()
+            self.srv = rclone_srv
 
     def bwlimit_runs(self, rates: list[str]) -> list[dict]:
         from ckptctl.storage.ratelimit import parse_rate
@@ -545,7 +594,7 @@ def goals(local: dict[str, Series], up: dict[str, Series], down: dict[str, Serie
                           ("local -> S3", up), ("S3 -> local", down)]:
         ck = series["ckptctl promote"]
         for name, s in series.items():
-            if name == "ckptctl promote":
+            if name in ("ckptctl promote", FLOOR):
                 continue
             r = s.wall_s / ck.wall_s
             best = min(x.wall_s for x in s.runs) / min(x.wall_s for x in ck.runs)
@@ -578,6 +627,9 @@ def main(argv=None) -> int:
     ap.add_argument("--small-files", type=int, default=0, metavar="N",
                     help="a Hugging Face folder of N safetensors shards of --size-mib in "
                     "all, instead of the DCP checkpoint")
+    ap.add_argument("--moto", action="store_true",
+                    help="also count every tool's requests against moto_server (in memory: "
+                    "for small checkpoints)")
     ap.add_argument("--section", default=None,
                     help="BENCHMARKS.md section (default: promote-<size> or promote-files)")
     add_output_args(ap)
@@ -613,6 +665,10 @@ def main(argv=None) -> int:
         down, down_cpu = b.s3_rounds("download")
         log("counting requests (one run each, through the proxy)")
         counts = b.count_rounds()
+        moto_counts = {}
+        if a.moto:
+            log("counting requests against moto_server")
+            moto_counts = b.moto_count_rounds()
         rates = [r for r in a.rates.split(",") if r.strip()]
         bw = b.bwlimit_runs(rates) if rates else []
         srv_version = tool_version([b.rclone, "version"]) if b.rclone else "?"
@@ -680,7 +736,9 @@ def main(argv=None) -> int:
         o.append(table(rhdr, series_rows(up, b.nbytes, "ckptctl promote", up_cpu, counts,
                                          "upload")))
         o.append("\n### S3 -> local (the same objects for every tool, warm in the server's "
-                 "folder; rclone and s5cmd followed by `sync`)\n")
+                 "folder; rclone and s5cmd followed by `sync`; `dd + fdatasync (floor)`: "
+                 "as many bytes from /dev/zero to the same disk, flushed, no network: what "
+                 "writing them costs here, timed among the downloads)\n")
         o.append(table(rhdr, series_rows(down, b.nbytes, "ckptctl promote", down_cpu, counts,
                                          "download")))
         o.append("\nFixed costs (median of 3, no data moved): " + "; ".join(
@@ -691,6 +749,16 @@ def main(argv=None) -> int:
                  "PutObject and UploadPart; multipart counts Create and Complete; ckptctl's "
                  "upload also writes and deletes its `.ckptctl-writing` marker and lists the "
                  "destination for the size check; its download reads the manifest first.\n")
+        if moto_counts:
+            o.append("Requests against `moto_server` (AWS's semantics: `If-None-Match` "
+                     "honoured, AWS multipart ETags), one counted run per tool each way; "
+                     "uploads proven by `ckptctl verify --level full` of what landed, "
+                     "downloads against the source's digests:\n")
+            o.append(table(["tool", "way", "requests PUT / GET / HEAD / LIST / multipart / "
+                            "other = total", "rclone serve s3 (same run)"],
+                           [[k.split(" ", 1)[1], k.split(" ", 1)[0], requests_text(c),
+                             requests_text(counts[k]) if k in counts else "-"]
+                            for k, c in moto_counts.items()]))
         if bw:
             o.append("### --bwlimit (bytes on the wire through a counting TCP relay, sampled "
                      "every 50 ms)\n")
