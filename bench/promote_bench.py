@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import socket
 import statistics
@@ -120,9 +121,11 @@ with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
 """
 
 
-#: a download's floor on this machine, timed among the downloads: ``dd`` writing as many
-#: bytes to the same disk from /dev/zero and flushing them (no network, no hashing)
-FLOOR = "dd + fdatasync (floor)"
+#: what writing a download's bytes costs on this machine, timed among the downloads: ``dd``
+#: writing as many bytes to the same disk from /dev/zero (no network, no hashing), through
+#: the page cache and flushed, and with O_DIRECT
+FLOORS = {"dd + fdatasync (no network)": ["conv=fdatasync"],
+          "dd oflag=direct (no network)": ["oflag=direct", "conv=fdatasync"]}
 
 MAKE_BUCKET = """
 import sys, botocore.session
@@ -422,11 +425,12 @@ class Bench:
                 cmds = self.upload_cmds(f"up{rep}", endpoint)
             else:
                 cmds = self.download_cmds(self.work / f"down{rep}", endpoint)
-                floor = self.work / f"down{rep}" / "dd"
-                floor.mkdir(parents=True, exist_ok=True)  # the same bytes, no network
-                cmds[FLOOR] = (["dd", "if=/dev/zero", f"of={floor / 'all.bin'}", "bs=4M",
-                                f"count={-(-self.nbytes // (4 << 20))}", "conv=fdatasync",
-                                "status=none"], None)
+                floor = self.work / f"down{rep}" / "dd"  # removed after each row
+                for name, flags in FLOORS.items():
+                    dd = ["dd", "if=/dev/zero", f"of={floor / 'all.bin'}", "bs=4M",
+                          f"count={-(-self.nbytes // (4 << 20))}", *flags, "status=none"]
+                    cmds[name] = (["sh", "-c", f"mkdir -p {shlex.quote(str(floor))} && exec "
+                                   + shlex.join(dd)], None)
             for name in rotate(list(cmds), rep):
                 cmd, env = cmds[name]
                 warm(self.src_files if direction == "upload" else ref_files)
@@ -437,7 +441,7 @@ class Bench:
                 got = (self.uploaded(f"up{rep}", name) if direction == "upload"
                        else self.work / f"down{rep}" / name.split()[0])
                 want = self.want if direction == "upload" else self.ref_want
-                if name != FLOOR:
+                if name not in FLOORS:
                     check_same(got, want, f"{name} {direction}")
                 rm(got)
             self.log(f"  {direction} round {rep + 1}: " + ", ".join(
@@ -594,7 +598,7 @@ def goals(local: dict[str, Series], up: dict[str, Series], down: dict[str, Serie
                           ("local -> S3", up), ("S3 -> local", down)]:
         ck = series["ckptctl promote"]
         for name, s in series.items():
-            if name in ("ckptctl promote", FLOOR):
+            if name == "ckptctl promote" or name in FLOORS:
                 continue
             r = s.wall_s / ck.wall_s
             best = min(x.wall_s for x in s.runs) / min(x.wall_s for x in ck.runs)
@@ -736,9 +740,10 @@ def main(argv=None) -> int:
         o.append(table(rhdr, series_rows(up, b.nbytes, "ckptctl promote", up_cpu, counts,
                                          "upload")))
         o.append("\n### S3 -> local (the same objects for every tool, warm in the server's "
-                 "folder; rclone and s5cmd followed by `sync`; `dd + fdatasync (floor)`: "
-                 "as many bytes from /dev/zero to the same disk, flushed, no network: what "
-                 "writing them costs here, timed among the downloads)\n")
+                 "folder; rclone and s5cmd followed by `sync`; the `dd` rows write as many "
+                 "bytes from /dev/zero to the same disk, no network, through the page cache "
+                 "then flushed, or with O_DIRECT: what writing them costs here, timed among "
+                 "the downloads; ckptctl writes its parts with O_DIRECT)\n")
         o.append(table(rhdr, series_rows(down, b.nbytes, "ckptctl promote", down_cpu, counts,
                                          "download")))
         o.append("\nFixed costs (median of 3, no data moved): " + "; ".join(
