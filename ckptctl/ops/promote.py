@@ -751,8 +751,10 @@ def _restores_without(final: Store, options: dict | None, source: Store) -> None
         return
     walk = ChainWalk(persist=True)  # the levels' small files from the object cache
     ps = open_pack(final, files, storage_options=options, ahead=walk)
-    if not final.is_local and ps.index.base:  # (the walk starts at the first base lookup)
-        parent = final.parent()  # the chain's levels are its siblings: one listing, fresh
+    parent = final.parent()
+    if not final.is_local and ps.index.base and "/" in parent.root.strip("/"):
+        # the chain's levels are its siblings: one listing, fresh (the walk starts at the
+        # first base lookup); never of a whole bucket, as --base auto never looks there
         walk.listed = (parent, group_checkpoints(parent.list_files()))
     opened = [ps]
     try:
