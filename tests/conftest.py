@@ -3,6 +3,7 @@ tools (fixtures_thirdparty), real S3 servers on loopback (fixtures_s3), and a ti
 in-process DCP checkpoint for the fast tests."""
 from __future__ import annotations
 
+import contextlib
 import io
 import signal
 import sys
@@ -84,31 +85,65 @@ def dcp_save(path: Path, sd: dict, *, zstd: bool = False) -> None:
         dcp.save(sd, checkpoint_id=None if writer else str(path), storage_writer=writer)
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """``small_tmpfs("3m")``: a size-capped tmpfs for out-of-space tests, unmounted after
-    the test (needs root and mount permission; the test is skipped with the reason else)."""
+@contextlib.contextmanager
+def _mounts():
+    """``mount(args, where, what)``: run ``mount ARGS`` (the test is skipped with the reason
+    where that fails: it needs root); everything mounted is unmounted at the end."""
     import shutil
     import subprocess
 
     mounted = []
 
-    def make(size: str):
+    def mount(args: list[str], where: Path, what: str) -> Path:
         if not shutil.which("mount"):
-            pytest.skip("out-of-space tests need `mount` for a size-capped tmpfs")
-        mnt = tmp_path / f"small-{size}"
-        mnt.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
-                           capture_output=True, text=True)
+            pytest.skip(f"{what} needs `mount`")
+        r = subprocess.run(["mount", *args, str(where)], capture_output=True, text=True)
         if r.returncode != 0:
-            pytest.skip(f"cannot mount a small tmpfs for out-of-space tests: {r.stderr.strip()}")
-        mounted.append(mnt)
-        return mnt
+            pytest.skip(f"cannot mount {what}: {r.stderr.strip()}")
+        mounted.append(where)
+        return where
 
-    yield make
-    for mnt in mounted:
-        if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
-            subprocess.run(["umount", "-l", str(mnt)], check=True)
+    try:
+        yield mount
+    finally:
+        for mnt in mounted:
+            if subprocess.run(["umount", str(mnt)], capture_output=True).returncode != 0:
+                subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``small_tmpfs("3m")``: a size-capped tmpfs for out-of-space tests, unmounted after
+    the test (needs root and mount permission; the test is skipped with the reason else)."""
+    with _mounts() as mount:
+        def make(size: str):
+            mnt = tmp_path / f"small-{size}"
+            mnt.mkdir()
+            return mount(["-t", "tmpfs", "-o", f"size={size}", "tmpfs"], mnt,
+                         "a small tmpfs for out-of-space tests")
+
+        yield make
+
+
+@pytest.fixture
+def small_ext4(tmp_path):
+    """``small_ext4("16M")``: a size-capped ext4 on a loop device (a block device, so
+    O_DIRECT works there, unlike tmpfs), unmounted after the test (skipped without root,
+    ``mkfs.ext4`` or loop devices)."""
+    import shutil
+    import subprocess
+
+    with _mounts() as mount:
+        def make(size: str):
+            if not shutil.which("mkfs.ext4"):
+                pytest.skip("needs mkfs.ext4 for a small ext4 file system")
+            img, mnt = tmp_path / f"ext4-{size}.img", tmp_path / f"ext4-{size}"
+            mnt.mkdir()
+            subprocess.run(["truncate", "-s", size, str(img)], check=True)
+            subprocess.run(["mkfs.ext4", "-q", "-F", str(img)], check=True, capture_output=True)
+            return mount(["-o", "loop", str(img)], mnt, "a small ext4 on a loop device")
+
+        yield make
 
 
 @pytest.fixture

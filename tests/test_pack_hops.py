@@ -102,6 +102,28 @@ def test_a_newest_pack_whose_chain_is_broken_gets_a_full_pack_next(s3_bucket, tm
     assert _files(out) == _files(hot / "step-3")
 
 
+def test_a_level_replaced_after_it_was_cached_is_read_anew(s3_bucket, tmp_path, monkeypatch):
+    """The object cache holds the chain's levels after a hop; a level then replaced by
+    another checkpoint under the same name (new ETags) is read from the store, its id no
+    longer matches, and the next hop writes a full pack instead of building on it."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    hot = tmp_path / "hot"
+    for step in (1, 2, 3):
+        _ckpt(hot / f"step-{step}", step)
+        _hop_requests(s3_bucket, hot, step)  # step-3's hop cached step-1 and step-2
+    s3_bucket.fs().rm(s3_bucket.path("cold/step-2"), recursive=True)  # not by ckptctl
+    _ckpt(tmp_path / "other" / "step-2", 7)  # another checkpoint, the same name
+    promote(str(tmp_path / "other" / "step-2"), s3_bucket.url("cold/step-2"),
+            dst_options=s3_bucket.storage_options, pack=True, base=None)
+    _ckpt(hot / "step-4", 4)
+    _, got = _hop_requests(s3_bucket, hot, 4)
+    assert got["pack"]["base"] is None and got["pack"]["depth"] == 0, got["pack"]
+    assert "was not usable as a base" in got["pack"]["full_reason"]
+    out = tmp_path / "restored"
+    unpack(s3_bucket.url("cold/step-4"), str(out), storage_options=s3_bucket.storage_options)
+    assert _files(out) == _files(hot / "step-4")
+
+
 def test_the_index_records_the_chain_below_its_base(s3_bucket, tmp_path):
     hot = tmp_path / "hot"
     for step in (1, 2, 3, 4):

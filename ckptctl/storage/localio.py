@@ -126,7 +126,8 @@ def write_at(path: str, data, offset: int) -> None:
     mv = memoryview(data).cast("B")
     n, done = mv.nbytes, 0
     bulk = n - n % DIRECT_ALIGN
-    if bulk and offset % DIRECT_ALIGN == 0 and (_address(mv) or 1) % DIRECT_ALIGN == 0:
+    address = _address(mv) if bulk and offset % DIRECT_ALIGN == 0 else None
+    if address is not None and address % DIRECT_ALIGN == 0:
         done = _write_direct(path, mv[:bulk], offset)
     if done < n:
         fd = os.open(path, os.O_WRONLY)

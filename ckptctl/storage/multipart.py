@@ -250,8 +250,11 @@ def upload_part(store: Store, rel: str, upload_id: str, number: int,
         _, path, sidecar = _local_paths(store, rel, upload_id)
         with store._errors(rel):
             size = _local_part_size(store, rel, sidecar, number, n)
-            os.close(_open_upload(store, rel, path))  # (a missing upload: NotFoundError)
-            write_at(path, data, (number - 1) * size)
+            try:
+                write_at(path, data, (number - 1) * size)
+            except FileNotFoundError:
+                raise NotFoundError(store.display(rel), "no such upload (completed or "
+                                    "aborted)") from None
             etag = xxhash.xxh3_128(data).hexdigest()
             _append_line(sidecar, {"n": number, "etag": etag, "size": n}, sync=False)
         store._count(writes=1, bytes_written=n)
