@@ -1,6 +1,7 @@
-"""Local-to-local transfers copy parts in the kernel, one part of a file at a time (ext4
-serializes the writers of one inode), files in parallel; a failing part stops the
-file's later parts and nothing waits forever."""
+"""Local-to-local transfers onto file systems other than ext4 (XFS, btrfs, NFS, tmpfs)
+copy parts in the kernel, one part of a file at a time (ext4 serializes the writers of
+one inode), files in parallel; a failing part stops the file's later parts and nothing
+waits forever. (Onto ext4 the parts go through memory: tests/test_memory_transfer.py.)"""
 from __future__ import annotations
 
 import os
@@ -16,6 +17,14 @@ from ckptctl.storage.journal import Journal
 from ckptctl.storage.transfer import KERNEL_LANES, Transfer
 
 MIB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _kernel_path(monkeypatch):
+    """tmp_path may be on ext4, where parts go through memory: test the kernel path."""
+    from ckptctl.storage import transfer
+
+    monkeypatch.setattr(transfer, "copies_through_memory", lambda path: False)
 
 
 def _files(tmp_path, n=3, parts=6):

@@ -171,6 +171,39 @@ def _write_direct(path: str, mv: memoryview, offset: int) -> int:
     return done
 
 
+#: ``statfs`` ``f_type`` of ext2/3/4: their ``copy_file_range`` is a byte copy through
+#: the page cache (no reflink, no server-side copy) and they take O_DIRECT
+_EXT_MAGIC = 0xEF53
+
+
+def copies_through_memory(path: str) -> bool:
+    """True where a local copy onto ``path`` (a file or folder, or the nearest existing
+    folder above it) is faster read into memory and written with O_DIRECT than copied in
+    the kernel: ext2/3/4. On this kind of VM a fresh page-cache page is one the host must
+    back first, and ``copy_file_range`` fills the destination's (2 GiB, buffered read +
+    O_DIRECT write 0.9-1.6 s and 0.3 sys s; ``copy_file_range`` 1.2-2.3 s and 0.8-1.8 sys
+    s; ``cp`` 2.9-5.7 s). Elsewhere the kernel copy stays: XFS and btrfs reflink it,
+    NFS copies on the server, tmpfs has no O_DIRECT. False where ``statfs`` is missing.
+
+    >>> import tempfile; isinstance(copies_through_memory(tempfile.gettempdir()), bool)
+    True
+    """
+    import ctypes
+
+    fn = _libc("statfs", ctypes.c_char_p, ctypes.c_void_p)
+    if fn is None or not getattr(os, "O_DIRECT", 0):
+        return False
+    while path and not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    buf = ctypes.create_string_buffer(256)  # struct statfs is 120 bytes on Linux
+    if fn(os.fsencode(path or "."), buf) != 0:
+        return False
+    return ctypes.c_long.from_buffer(buf).value == _EXT_MAGIC
+
+
 def start_writeback(fd: int, offset: int, n: int) -> bool:
     """Start writing ``n`` bytes at ``offset`` of ``fd`` back to the disk now, without
     waiting (``sync_file_range(SYNC_FILE_RANGE_WRITE)``; Linux). Left alone, the kernel

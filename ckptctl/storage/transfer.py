@@ -24,7 +24,7 @@ from ..errors import CkptError, Finding
 from . import multipart
 from .hashing import hash_file, new_hasher
 from .journal import Journal
-from .localio import aligned_buffer, start_writeback
+from .localio import aligned_buffer, copies_through_memory, start_writeback
 from .ratelimit import RateLimiter
 from .retry import with_retries
 from .store import Store
@@ -100,9 +100,12 @@ class Transfer:
         # it is read (else 2 * workers parts arrive in one unpaced burst), a local one as
         # it is sent (so re-reading the parts of a resumed upload costs nothing)
         self.pace_reads = not src.is_local
-        # local to local: parts are copied in the kernel and the file is proven where it
-        # landed (hashed from the page cache right behind the copies), never read in Python
-        self.kernel = src.is_local and dst.is_local
+        # local to local: onto ext4 the parts go through memory (read, hashed from the
+        # buffer, written with O_DIRECT: localio.copies_through_memory says why); onto
+        # other file systems they are copied in the kernel (a reflink on XFS and btrfs)
+        # and the file is proven where it landed, hashed from the page cache behind them
+        self.kernel = (src.is_local and dst.is_local
+                       and not copies_through_memory(dst.full("")))
         # a local destination takes small files in batches (:meth:`flush`): written to temp
         # files, made durable together, then renamed; the journal hears of them after that
         self.batch = dst.is_local
