@@ -91,7 +91,7 @@ def copy_part(src_url: str, dst_url: str, src_options: dict | None, dst_options:
     known = known or {}
     hashes = {rel: list(known[rel]) if rel in known and known[rel][1] == n
               else [hash_file(src, rel, "xxh3-128")[0], n] for rel, n in files.items()}
-    there = dst.list_files() if dst.exists() else {}
+    there = dst.list_files_if_any()
     todo = [rel for rel in files if not (rel in known and there.get(rel) == files[rel])]
     man = Manifest({rel: FileEntry(n, h) for rel, (h, n) in hashes.items()})
     t = Transfer(src, dst, journal=Journal(None, {"source": "node part"}), algo=man.hash,

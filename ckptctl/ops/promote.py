@@ -171,7 +171,7 @@ class _Destination:
 
     def state(self) -> tuple[str, dict[str, int]]:
         """("committed" | "other" | "resume" | "fresh", files at the work place)."""
-        final = self.final.list_files() if self.final.exists() else {}
+        final = self.final.list_files_if_any()
         if MANIFEST in final:
             other = Manifest.parse(self.final.read(MANIFEST), self.final.display(MANIFEST))
             if self.man is not None and other.id == self.man.id and _same_content(final, other):
@@ -183,7 +183,7 @@ class _Destination:
             if final:
                 raise Finding(self.final.url, "destination exists and is not empty; remove it "
                               "first or choose another place", code="ALREADY_EXISTS")
-            work = self.work.list_files() if self.work.exists() else {}
+            work = self.work.list_files_if_any()
             return ("resume" if work else "fresh"), work
         if not final:
             return "fresh", {}
@@ -471,7 +471,7 @@ def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwli
             result.seconds = round(time.monotonic() - t0, 3)
             return result
         journal = Journal(f"{d.journal_path()}.rank{group.rank}", {"source": man.id}, durable=not d.local)
-        _adopt_published(journal, d.work.list_files() if d.work.exists() else {}, man)
+        _adopt_published(journal, d.work.list_files_if_any(), man)
     else:
         result = PromoteResult(sstore.url, d.final.url, "promoted", man.checkpoint_id, sealed,
                                len(man.files), man.total_bytes,
@@ -568,7 +568,7 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
     result = PromoteResult(sstore.url, final.url, "packed" if pack else "unpacked", want,
                            sealed, len(man.files), man.total_bytes,
                            source_unsealed=MANIFEST not in sfiles)
-    present = final.list_files() if final.exists() else {}
+    present = final.list_files_if_any()
     force = False
     if MANIFEST in present:
         there = Manifest.parse(final.read(MANIFEST), final.display(MANIFEST))
@@ -746,7 +746,7 @@ def _restores_without(final: Store, options: dict | None, source: Store) -> None
     from ..formats.pack import ChainWalk, PackStore, is_pack, open_pack
     from .verify import base_unrestorable
 
-    files = final.list_files() if final.exists() else {}
+    files = final.list_files_if_any()
     if not is_pack(files):
         return
     walk = ChainWalk(persist=True)  # the levels' small files from the object cache

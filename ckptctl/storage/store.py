@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from typing import Callable, Iterable, Iterator, Sequence
 
-from ..errors import CkptError, UnsafeInputError, UsageError
+from ..errors import CkptError, NotFoundError, UnsafeInputError, UsageError
 from .failures import NO_SERVER, CUT, dead_server, mark_dead, storage_error
 from .filesystems import DEFAULT_TIMEOUT, make_filesystem, s3_budget
 
@@ -498,6 +498,23 @@ class Store:
                     if isinstance(etag, str) and etag.strip('"'):
                         self._etags[name[len(prefix):]] = etag
         return dict(sorted(out.items()))
+
+    def list_files_if_any(self, rel: str = "") -> dict[str, int]:
+        """:meth:`list_files`, or ``{}`` where nothing is there (a missing folder, or on
+        S3 a missing bucket). On an object store that is the listing alone, with no
+        existence check first (s3fs's ``exists`` of a prefix is a HEAD and a listing of
+        its own: two requests more before every promote).
+
+        >>> import tempfile; from ckptctl.storage import open_store
+        >>> open_store(tempfile.mkdtemp()).list_files_if_any("nothing/here")
+        {}
+        """
+        if self.is_local and not self.exists(rel):
+            return {}
+        try:
+            return self.list_files(rel)
+        except NotFoundError:
+            return {}
 
     def _listed_prefix(self) -> str:
         """How the filesystem's listings spell this store's root, with a trailing ``/``
