@@ -22,6 +22,7 @@ from ..formats.safetensors_write import index_json, shard_names, split_shards, w
 from ..formats.torchsave import SUFFIXES
 from ..model import DTYPES, Checkpoint, dtype_from_name
 from ..storage import HashingWriter, Store, open_store, split_url
+from ..storage.localio import copies_through_memory
 from .closure import classify, parse_parts
 from .commit import commit_written
 from .copier import (BlockStream, SpanWriter, check_objects, copy_to_dcp, decode_object,
@@ -140,6 +141,16 @@ def _copy_file(src: Store, rel: str, size: int, od: OutputDir,
             for start in range(0, size, block):
                 w.write(src.read_range(rel, start, min(size, start + block)))
     return w.result()
+
+
+def _writer(f, ck: Checkpoint, on_bytes, *, spans: bool = False):
+    """The writer of output file ``f``: a :class:`SpanWriter` where it copies source
+    spans, or where it writes past the page cache (a local ext2/3/4 file,
+    :func:`~ckptctl.storage.localio.copies_through_memory`), else a ``HashingWriter``.
+    The caller closes a ``SpanWriter``, after its result or on the way out."""
+    if f.path is not None and (spans or copies_through_memory(f.path)):
+        return SpanWriter(f, ck.store, on_bytes=on_bytes)
+    return HashingWriter(f, on_bytes=on_bytes)
 
 
 def _out_name(name: str, strip: str | None) -> str:
@@ -347,8 +358,7 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_s
             return sp if sp is not None else s.blocks(by_out[out])
 
         with od.open(fname) as f:
-            w = (SpanWriter(f, ck.store, on_bytes=on_bytes) if any(spans.values())
-                 else HashingWriter(f, on_bytes=on_bytes))
+            w = _writer(f, ck, on_bytes, spans=any(spans.values()))
             try:
                 write_file(w, shard, items, {"format": "pt"})
                 result = w.result()
@@ -411,12 +421,17 @@ def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype, st
     s = stream(tensors, 1)
     with od:
         with od.open(fname) as f:
-            w = HashingWriter(f, on_bytes=on_bytes)
-            zw = TorchZipWriter(w, pickle_state(tree))
-            for n in tensors:
-                zw.write_record(refs[n].key, s.blocks(n))
-            for _, (_, records) in lifted:
-                for key, data in records:
-                    zw.write_record(key, [data])
-            zw.close()
-        return _finish(od, ck, {fname: w.result()}, not single_file)
+            w = _writer(f, ck, on_bytes)
+            try:
+                zw = TorchZipWriter(w, pickle_state(tree))
+                for n in tensors:
+                    zw.write_record(refs[n].key, s.blocks(n))
+                for _, (_, records) in lifted:
+                    for key, data in records:
+                        zw.write_record(key, [data])
+                zw.close()
+                result = w.result()
+            finally:
+                if isinstance(w, SpanWriter):
+                    w.close()
+        return _finish(od, ck, {fname: result}, not single_file)

@@ -28,6 +28,8 @@ from ..formats.dcp_write import DcpWriter
 from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows, read_rows_into, row_major_span
 from ..model import Checkpoint
 from ..storage import HashBehind, Store, open_store
+from ..storage.directwrite import DirectWriter
+from ..storage.localio import copies_through_memory
 from .commit import commit_written
 from .output import OutputDir
 from .planner import Plan, TargetChunk
@@ -240,11 +242,14 @@ COPY_STEP = 64 << 20
 
 class SpanWriter:
     """A binary writer for a local output file (an :class:`~.output.OutputDir` file)
-    that takes blocks of bytes and :class:`Span` s of local source files alike: blocks
-    are written, spans copied in the kernel (no pass through Python, as ``cp`` does), and
-    the whole file is hashed from the page cache right behind (:class:`HashBehind`), so
+    that takes blocks of bytes and :class:`Span` s of local source files alike, so
     :meth:`result` is the hash of what landed. Used as ``HashingWriter`` is, by a format
-    writer that just calls ``write``.
+    writer that just calls ``write``. On ext2/3/4
+    (:func:`~ckptctl.storage.localio.copies_through_memory`) blocks and spans go through
+    a :class:`~ckptctl.storage.directwrite.DirectWriter`, past the page cache and hashed
+    on the way; elsewhere blocks are written, spans copied in the kernel (no pass through
+    Python, as ``cp`` does: XFS and btrfs reflink it), and the whole file is hashed from
+    the page cache right behind (:class:`HashBehind`).
 
     >>> w = SpanWriter(f, ck.store); w.write(header); w.write(Span("__0_0.distcp", 0, 64))  # doctest: +SKIP
     >>> w.result()                                                                        # doctest: +SKIP
@@ -256,14 +261,21 @@ class SpanWriter:
         self.out, self.src, self.on_bytes = out, src, on_bytes
         self.pos = 0
         self._fds: dict[str, int] = {}
-        self._hash = HashBehind(out.path, algo)
+        self._direct = self._hash = None
+        if copies_through_memory(out.path):
+            self._direct = DirectWriter(out.path, algo)
+        else:
+            self._hash = HashBehind(out.path, algo)
 
     def write(self, b) -> int:
         if isinstance(b, Span):
             self._copy(b)
         else:
             n = memoryview(b).nbytes
-            self.out.write_at(b, self.pos)
+            if self._direct is not None:
+                self.out.guarded(self._direct.write, b)
+            else:
+                self.out.write_at(b, self.pos)
             self._advance(n)
         return len(b)
 
@@ -274,21 +286,29 @@ class SpanWriter:
                 fd = self._fds[s.file] = os.open(self.src.full(s.file), os.O_RDONLY)
         for o in range(0, s.length, COPY_STEP):
             n = min(COPY_STEP, s.length - o)
-            if self.out.copy_in(fd, s.offset + o, n, self.pos) != n:
+            if self._direct is not None:
+                got = self.out.guarded(self._direct.read_in, fd, s.offset + o, n)
+            else:
+                got = self.out.copy_in(fd, s.offset + o, n, self.pos)
+            if got != n:
                 raise FormatError(self.src.display(s.file), f"file is truncated (shorter "
                                   f"than {s.offset + s.length} bytes)", code="SIZE_MISMATCH")
             self._advance(n)
 
     def _advance(self, n: int) -> None:
         self.pos += n
-        self._hash.advance(n)
+        if self._hash is not None:
+            self._hash.advance(n)
         if self.on_bytes:
             self.on_bytes(n)
 
     def result(self) -> tuple[str, int]:
         """(hex digest, size) of the file as written; closes the sources."""
         try:
-            digest, n = self._hash.result()
+            if self._direct is not None:  # a write error: in words, by the output file
+                digest, n = self.out.guarded(self._direct.result)
+            else:
+                digest, n = self._hash.result()
         except EOFError as e:
             raise FormatError(self.out.rel, f"read back: {e}", code="SIZE_MISMATCH") from None
         except OSError as e:
@@ -302,7 +322,10 @@ class SpanWriter:
         return digest, n
 
     def close(self) -> None:
-        self._hash.close()
+        if self._direct is not None:
+            self._direct.close()
+        if self._hash is not None:
+            self._hash.close()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()

@@ -136,9 +136,15 @@ class _OutFile:
         """Copy ``n`` bytes at ``offset`` of the open file ``src_fd`` to byte ``at`` of
         this local file, in the kernel (:func:`~ckptctl.storage.localio.kernel_copy`);
         the bytes copied (fewer: the source ended)."""
+        return self.guarded(kernel_copy, src_fd, self.f.fileno(), offset, n, at)
+
+    def guarded(self, fn, *args):
+        """``fn(*args)``, a write to this file's :attr:`path` by the caller's own means
+        (a :class:`~ckptctl.storage.directwrite.DirectWriter`), as every write here is:
+        refused once the run is cancelled, an ``OSError`` in words."""
         if self.out.cancelled.is_set():
             raise Cancelled(self.rel)
-        return self._io(kernel_copy, src_fd, self.f.fileno(), offset, n, at)
+        return self._io(fn, *args)
 
     def close(self) -> None:
         store = self.out.store
