@@ -144,17 +144,18 @@ def _write_direct(path: str, mv: memoryview, offset: int) -> int:
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return 0
+    if _no_direct and os.stat(path).st_dev in _no_direct:
+        return 0
     try:
         fd = os.open(path, os.O_WRONLY | flag)
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
+        _no_direct.add(os.stat(path).st_dev)  # tmpfs: no O_DIRECT open, not asked again
         return 0
     done = 0
     try:
         dev = os.fstat(fd).st_dev
-        if dev in _no_direct:
-            return 0
         while done < mv.nbytes:
             try:
                 got = os.pwrite(fd, mv[done:], offset + done)
