@@ -20,7 +20,7 @@ import threading
 from typing import Callable, Iterator
 
 from ..errors import UnsafeInputError
-from .localio import sync_dir, sync_files
+from .localio import read_at, sync_dir, sync_files
 from .store import Capabilities, Store, already_exists, safe_relpath
 
 #: Descriptors a local store keeps open for ranged reads before it recycles them.
@@ -102,14 +102,9 @@ class LocalStore(Store):
             return os.pread(fd, end - start, start)
 
     def read_into(self, rel: str, start: int, buf: memoryview) -> int:
-        n = 0
-        with self._errors(rel):
+        with self._errors(rel):  # a cold part of a transfer comes straight from the disk
             with self._fd(rel) as fd:
-                while n < len(buf):
-                    k = os.preadv(fd, [buf[n:]], start + n)
-                    if k == 0:
-                        break
-                    n += k
+                n = read_at(fd, self.full(rel), buf, start)
         with self._lock:
             self.stats.reads += 1
             self.stats.bytes_read += n

@@ -19,14 +19,17 @@ _SYNC_FILE_RANGE_WRITE = 2
 _libc_fns: dict[str, object] = {}
 
 
-def _libc(name: str, *argtypes):
-    """libc's function ``name`` with ``argtypes`` (made once), or None where there is none."""
+def _libc(name: str, *argtypes, restype=None):
+    """libc's function ``name`` with ``argtypes`` (made once; ``restype`` where it
+    returns other than an int), or None where there is none."""
     if name not in _libc_fns:
         import ctypes
 
         try:
             fn = getattr(ctypes.CDLL(None, use_errno=True), name)
             fn.argtypes = list(argtypes)
+            if restype is not None:
+                fn.restype = restype
         except (OSError, AttributeError):
             fn = None
         _libc_fns[name] = fn
@@ -167,6 +170,99 @@ def _write_direct(path: str, mv: memoryview, offset: int) -> int:
             done += got
             if got % DIRECT_ALIGN:
                 break  # a short write left the rest unaligned: through the page cache
+    finally:
+        os.close(fd)
+    return done
+
+
+#: reads this large or larger into an aligned buffer are worth asking where the bytes are
+DIRECT_READ_MIN = 1 << 20
+
+
+def read_at(fd: int, path: str, buf: memoryview, offset: int) -> int:
+    """Fill ``buf`` from byte ``offset`` of the open file ``fd`` (``path`` names the same
+    file); the bytes read (fewer: the file ended). Where fewer than half of the range's
+    pages are in the page cache (a cold source) and the read is large and aligned (an
+    :func:`aligned_buffer`'s part at a part-size offset), the aligned bulk is read with
+    O_DIRECT, straight from the disk into ``buf``: on this kind of VM a fresh page-cache
+    page is one the host must back first (2 GiB cold, 4 readers, into buffers written
+    with O_DIRECT: 1.86 s and 0.15 sys s read with O_DIRECT, 2.0-2.7 s and 0.6-1.6 sys s
+    through the page cache). A warm range is read from the page cache as always.
+
+    >>> import tempfile
+    >>> f = tempfile.NamedTemporaryFile(); _ = f.write(b"abcdef"); f.flush()
+    >>> b = memoryview(bytearray(4)); read_at(f.fileno(), f.name, b, 2), bytes(b)
+    (4, b'cdef')
+    """
+    buf = buf.cast("B")
+    n = 0
+    address = _address(buf) if len(buf) >= DIRECT_READ_MIN else None
+    if address is not None and address % DIRECT_ALIGN == 0 and offset % DIRECT_ALIGN == 0:
+        share = _cached_share(fd, offset, len(buf))
+        if share is not None and share < 0.5:
+            n = _read_direct(path, buf[:len(buf) - len(buf) % DIRECT_ALIGN], offset)
+    while n < len(buf):
+        k = os.preadv(fd, [buf[n:]], offset + n)
+        if k == 0:
+            break
+        n += k
+    return n
+
+
+def _cached_share(fd: int, offset: int, n: int) -> float | None:
+    """The share of the pages of ``[offset, offset + n)`` of ``fd`` in the page cache
+    (``mincore`` of a mapping nothing touches), or None where that cannot be asked."""
+    import ctypes
+    import mmap
+
+    page = mmap.PAGESIZE
+    map_ = _libc("mmap", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                 ctypes.c_int, ctypes.c_long, restype=ctypes.c_void_p)
+    mincore = _libc("mincore", ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+    unmap = _libc("munmap", ctypes.c_void_p, ctypes.c_size_t)
+    if map_ is None or mincore is None or unmap is None or n <= 0:
+        return None
+    start = offset - offset % page
+    length = offset + n - start
+    addr = map_(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, start)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        return None
+    try:
+        pages = (length + page - 1) // page
+        vec = ctypes.create_string_buffer(pages)
+        if mincore(addr, length, vec) != 0:
+            return None
+        return (pages - vec.raw.count(0)) / pages  # bit 0 of each byte: resident
+    finally:
+        unmap(addr, length)
+
+
+def _read_direct(path: str, mv: memoryview, offset: int) -> int:
+    """Bytes of ``mv`` filled from ``offset`` of ``path`` with O_DIRECT (0 where the file
+    system refuses it; fewer where the file ends)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag or not mv.nbytes or (_no_direct and os.stat(path).st_dev in _no_direct):
+        return 0
+    try:
+        fd = os.open(path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+    except OSError as e:
+        if e.errno != errno.EINVAL:
+            raise
+        _no_direct.add(os.stat(path).st_dev)
+        return 0
+    done = 0
+    try:
+        while done < mv.nbytes:
+            try:
+                got = os.preadv(fd, [mv[done:]], offset + done)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                _no_direct.add(os.fstat(fd).st_dev)
+                return done
+            done += got
+            if got == 0 or got % DIRECT_ALIGN:
+                break  # the file ended (or a short read left the rest unaligned)
     finally:
         os.close(fd)
     return done
