@@ -32,6 +32,18 @@ collect_ignore = ["fixtures"]  # generator scripts, run by fixtures_torch / fixt
 TESTS = Path(__file__).parent
 
 
+def cached_bytes(path) -> int | None:
+    """Bytes of the file ``path`` in the page cache (``fincore``), or None without it."""
+    import shutil
+    import subprocess
+
+    if not shutil.which("fincore"):
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
+                         capture_output=True, text=True)
+    return int(out.stdout.split()[0]) if out.returncode == 0 and out.stdout.strip() else None
+
+
 def run_cli(*args: str) -> tuple[int, str, str]:
     """Run ``ckptctl ARGS`` in-process: (exit code, stdout, stderr)."""
     from ckptctl.cli.main import main

@@ -23,7 +23,8 @@ from ckptctl.storage import digest_bytes, hash_file, open_store
 from ckptctl.storage import localio
 from ckptctl.storage.directwrite import DirectWriter
 from ckptctl.storage.localio import DIRECT_ALIGN, copies_through_memory
-from test_direct_writes import _cached_bytes, _flags, _pattern
+from conftest import cached_bytes
+from test_direct_writes import _flags, _pattern
 
 KiB, MiB = 1 << 10, 1 << 20
 SMALL = 64 * KiB  # a staging buffer small enough that the tests cross many of them
@@ -94,7 +95,7 @@ def test_the_aligned_bulk_skips_the_page_cache(tmp_path):
     _needs_ext4(tmp_path)
     f = tmp_path / "d.bin"
     _write(f, [_pattern(MiB + 5, i) for i in range(16)], buffer=4 * MiB)
-    cached = _cached_bytes(f)
+    cached = cached_bytes(f)
     if cached is None:
         pytest.skip("fincore not available")
     assert cached <= 2 * DIRECT_ALIGN, cached  # the tail's page, not 16 MiB

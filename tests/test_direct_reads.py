@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import cached_bytes
 
 from ckptctl.storage import localio, open_store
 from ckptctl.storage.localio import DIRECT_ALIGN, aligned_buffer, read_at
@@ -23,14 +23,6 @@ def _evicted(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def _cached_bytes(path: Path) -> int | None:
-    if not shutil.which("fincore"):
-        return None
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                         capture_output=True, text=True)
-    return int(out.stdout.split()[0]) if out.returncode == 0 and out.stdout.strip() else None
 
 
 @pytest.fixture
@@ -68,13 +60,13 @@ def test_every_byte_is_the_files(big, n, offset, aligned, cold):
 def test_a_cold_range_skips_the_page_cache_and_a_warm_one_uses_it(big):
     f, data = big
     _evicted(f)
-    if _cached_bytes(f) is None:
+    if cached_bytes(f) is None:
         pytest.skip("fincore not available")
     assert _read(f, 8 * MiB, 0) == data[:8 * MiB]
-    assert _cached_bytes(f) <= 2 * DIRECT_ALIGN  # from the disk, straight into the buffer
+    assert cached_bytes(f) <= 2 * DIRECT_ALIGN  # from the disk, straight into the buffer
     f.read_bytes()  # now warm: read from the page cache, which stays
     assert _read(f, 8 * MiB, 0) == data[:8 * MiB]
-    assert _cached_bytes(f) >= 8 * MiB
+    assert cached_bytes(f) >= 8 * MiB
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import cached_bytes
 
 from ckptctl.storage import localio
 from ckptctl.storage.localio import DIRECT_ALIGN, aligned_buffer, write_at
@@ -25,14 +26,6 @@ def _filled(data: bytes):
     buf = aligned_buffer(len(data))
     memoryview(buf)[:len(data)] = data
     return memoryview(buf)[:len(data)]
-
-
-def _cached_bytes(path: Path) -> int | None:
-    if not shutil.which("fincore"):
-        return None
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                         capture_output=True, text=True)
-    return int(out.stdout.split()[0]) if out.returncode == 0 and out.stdout.strip() else None
 
 
 @pytest.mark.parametrize("n, offset", [(8 * MiB, 0), (8 * MiB + 3, 8 * MiB), (4095, 0),
@@ -61,14 +54,14 @@ def test_the_aligned_bulk_skips_the_page_cache(tmp_path):
     f = tmp_path / "d.upload"
     f.write_bytes(b"")
     write_at(str(f), _filled(_pattern(16 * MiB + 5)), 0)
-    cached = _cached_bytes(f)
+    cached = cached_bytes(f)
     if cached is None:
         pytest.skip("fincore not available")
     assert cached <= 2 * DIRECT_ALIGN, cached  # the 5-byte tail's page, not 16 MiB
     g = tmp_path / "b.upload"
     g.write_bytes(b"")
     write_at(str(g), _pattern(16 * MiB), 0)  # bytes: not an aligned buffer, page cache
-    assert _cached_bytes(g) >= 16 * MiB - DIRECT_ALIGN
+    assert cached_bytes(g) >= 16 * MiB - DIRECT_ALIGN
 
 
 @pytest.mark.skipif(not Path("/dev/shm").is_dir(), reason="no /dev/shm")
@@ -149,7 +142,7 @@ def test_a_restore_onto_a_block_device_is_exact_and_skips_the_page_cache(s3_buck
     p = _cli(s3_bucket, "promote", "--quiet", "--part-size", "5MiB", s3_bucket.url("ck"),
              str(mnt / "ck"))
     assert p.returncode == 0, p.stderr
-    cached = _cached_bytes(mnt / "ck" / "model.safetensors")  # before reading it back
+    cached = cached_bytes(mnt / "ck" / "model.safetensors")  # before reading it back
     if cached is not None:  # the parts' aligned bulk went past the page cache
         assert cached < 2 * MiB, cached
     for f in src.iterdir():

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+from conftest import cached_bytes
 
 from ckptctl.errors import CkptError, StorageError
 from ckptctl.storage import multipart, open_store
@@ -30,14 +30,6 @@ def _files(where: Path, n: int = 2, parts: int = 4) -> dict[str, bytes]:
     return files
 
 
-def _cached_bytes(path: Path) -> int | None:
-    if not shutil.which("fincore"):
-        return None
-    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", str(path)],
-                         capture_output=True, text=True)
-    return int(out.stdout.split()[0]) if out.returncode == 0 and out.stdout.strip() else None
-
-
 def _copy(t: Transfer, files: dict[str, bytes]) -> dict:
     try:
         return {rel: t.copy(rel, len(data), digest_bytes(data)) for rel, data in files.items()}
@@ -55,7 +47,7 @@ def test_onto_ext4_parts_go_through_memory_and_past_the_page_cache(tmp_path, sma
     assert {r: (c.how, c.parts_sent) for r, c in got.items()} == {
         r: ("multipart", 4) for r in files}
     for rel, data in files.items():
-        cached = _cached_bytes(mnt / "dst" / rel)  # before reading it back
+        cached = cached_bytes(mnt / "dst" / rel)  # before reading it back
         if cached is not None:  # the aligned bulk went straight to the disk
             assert cached <= 2 * 4096, (rel, cached)
         assert dst.read(rel) == data
