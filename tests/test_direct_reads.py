@@ -38,7 +38,7 @@ def _read(f: Path, n: int, offset: int, *, aligned: bool = True) -> bytes:
     buf = memoryview(aligned_buffer(n + 1))[skip:skip + n]
     fd = os.open(f, os.O_RDONLY)
     try:
-        got = read_at(fd, str(f), buf, offset)
+        got = read_at(fd, buf, offset)
     finally:
         os.close(fd)
     return bytes(buf[:got])
@@ -91,3 +91,18 @@ def test_a_store_read_into_a_transfer_buffer_is_exact_cold(big):
     buf = memoryview(aligned_buffer(8 * MiB))
     assert s.read_into(f.name, 0, buf) == 8 * MiB and bytes(buf) == data[:8 * MiB]
     assert s.read_into(f.name, 8 * MiB, buf) == 1234 and bytes(buf[:1234]) == data[8 * MiB:]
+
+
+def test_a_cold_read_is_of_the_open_file_even_once_its_name_is_taken(big):
+    """The O_DIRECT read reopens the descriptor's own inode, not the path."""
+    f, data = big
+    _evicted(f)
+    fd = os.open(f, os.O_RDONLY)
+    try:
+        other = f.with_name("other.bin")
+        other.write_bytes(os.urandom(len(data)))
+        os.replace(other, f)  # the name now leads to another file
+        buf = memoryview(aligned_buffer(8 * MiB))
+        assert read_at(fd, buf, 0) == 8 * MiB and bytes(buf) == data[:8 * MiB]
+    finally:
+        os.close(fd)

@@ -179,9 +179,9 @@ def _write_direct(path: str, mv: memoryview, offset: int) -> int:
 DIRECT_READ_MIN = 1 << 20
 
 
-def read_at(fd: int, path: str, buf: memoryview, offset: int) -> int:
-    """Fill ``buf`` from byte ``offset`` of the open file ``fd`` (``path`` names the same
-    file); the bytes read (fewer: the file ended). Where fewer than half of the range's
+def read_at(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill ``buf`` from byte ``offset`` of the open file ``fd``; the bytes read (fewer:
+    the file ended). Where fewer than half of the range's
     pages are in the page cache (a cold source) and the read is large and aligned (an
     :func:`aligned_buffer`'s part at a part-size offset), the aligned bulk is read with
     O_DIRECT, straight from the disk into ``buf``: on this kind of VM a fresh page-cache
@@ -191,7 +191,7 @@ def read_at(fd: int, path: str, buf: memoryview, offset: int) -> int:
 
     >>> import tempfile
     >>> f = tempfile.NamedTemporaryFile(); _ = f.write(b"abcdef"); f.flush()
-    >>> b = memoryview(bytearray(4)); read_at(f.fileno(), f.name, b, 2), bytes(b)
+    >>> b = memoryview(bytearray(4)); read_at(f.fileno(), b, 2), bytes(b)
     (4, b'cdef')
     """
     buf = buf.cast("B")
@@ -200,7 +200,7 @@ def read_at(fd: int, path: str, buf: memoryview, offset: int) -> int:
     if address is not None and address % DIRECT_ALIGN == 0 and offset % DIRECT_ALIGN == 0:
         share = _cached_share(fd, offset, len(buf))
         if share is not None and share < 0.5:
-            n = _read_direct(path, buf[:len(buf) - len(buf) % DIRECT_ALIGN], offset)
+            n = _read_direct(fd, buf[:len(buf) - len(buf) % DIRECT_ALIGN], offset)
     while n < len(buf):
         k = os.preadv(fd, [buf[n:]], offset + n)
         if k == 0:
@@ -237,18 +237,26 @@ def _cached_share(fd: int, offset: int, n: int) -> float | None:
         unmap(addr, length)
 
 
-def _read_direct(path: str, mv: memoryview, offset: int) -> int:
-    """Bytes of ``mv`` filled from ``offset`` of ``path`` with O_DIRECT (0 where the file
-    system refuses it; fewer where the file ends)."""
+def _read_direct(src_fd: int, mv: memoryview, offset: int) -> int:
+    """Bytes of ``mv`` filled from ``offset`` of the open file ``src_fd`` with O_DIRECT
+    (0 where the file system refuses it or there is no ``/proc``; fewer where the file
+    ends). The O_DIRECT descriptor is a new open of ``src_fd``'s own inode (through
+    ``/proc/self/fd``), never of its path: a file renamed over it meanwhile is not read,
+    and the caller's descriptor keeps its flags for the readers sharing it."""
     flag = getattr(os, "O_DIRECT", 0)
-    if not flag or not mv.nbytes or (_no_direct and os.stat(path).st_dev in _no_direct):
+    if not flag or not mv.nbytes:
+        return 0
+    dev = os.fstat(src_fd).st_dev
+    if dev in _no_direct:
         return 0
     try:
-        fd = os.open(path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+        fd = os.open(f"/proc/self/fd/{src_fd}", os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return 0
     except OSError as e:
         if e.errno != errno.EINVAL:
             raise
-        _no_direct.add(os.stat(path).st_dev)
+        _no_direct.add(dev)
         return 0
     done = 0
     try:
@@ -258,7 +266,7 @@ def _read_direct(path: str, mv: memoryview, offset: int) -> int:
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                _no_direct.add(os.fstat(fd).st_dev)
+                _no_direct.add(dev)
                 return done
             done += got
             if got == 0 or got % DIRECT_ALIGN:
