@@ -14,6 +14,8 @@ import threading
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import ckptctl.ops.copier as copier
 from ckptctl.errors import FormatError, StorageError
@@ -362,3 +364,34 @@ def json_of(folder: Path) -> dict:
 
     man = json.loads((folder / "ckptctl.manifest.json").read_text())
     return {rel: (e["hash"], e["size"]) for rel, e in man["files"].items()}
+
+
+def test_staging_buffers_follow_max_memory(torch_ckpts, tmp_path, monkeypatch):
+    """--max-memory counts the DirectWriters' staging buffers: a small budget gets small
+    buffers, the default the writer's own 32 MiB."""
+    from ckptctl.ops import consolidate
+
+    _needs_ext4(tmp_path)
+    made = []
+    monkeypatch.setattr(copier, "DirectWriter",
+                        lambda *a, **kw: made.append(kw["buffer"]) or DirectWriter(*a, **kw))
+    consolidate(str(torch_ckpts["fsdp"]), str(tmp_path / "small"), only="model",
+                max_memory="32MiB", max_shard_size="1MB", workers=2)
+    assert made and set(made) == {copier.staging_size(32 * MiB, 2)} == {2 * MiB}
+    made.clear()
+    consolidate(str(torch_ckpts["fsdp"]), str(tmp_path / "default"), to="torch", only="model")
+    assert made == [32 * MiB]
+
+
+@settings(max_examples=300, deadline=None)
+@given(mib=st.integers(1, 64 << 10), streams=st.integers(1, 64))
+def test_read_ahead_and_staging_stay_within_the_budget(mib, streams):
+    """What the streams hold (read-ahead blocks and two staging buffers each) is within
+    --max-memory, or at the floor of one block ahead and 1 MiB buffers."""
+    budget = mib * MiB
+    depth = copier.stream_depth(budget, streams, staged=True)
+    staging = copier.staging_size(budget, streams)
+    held = streams * ((depth + 2) * copier.IO_BLOCK + 2 * staging)
+    floor = streams * (3 * copier.IO_BLOCK + 2 * MiB)
+    assert held <= max(budget, floor)
+    assert staging % DIRECT_ALIGN == 0 and MiB <= staging <= 32 * MiB

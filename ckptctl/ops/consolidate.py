@@ -26,7 +26,7 @@ from ..storage.localio import copies_through_memory
 from .closure import classify, parse_parts
 from .commit import commit_written
 from .copier import (BlockStream, SpanWriter, check_objects, copy_to_dcp, decode_object,
-                     dtype_converter, kernel_spans, nest, stream_depth)
+                     dtype_converter, kernel_spans, nest, staging_size, stream_depth)
 from .inspect import few_names
 from .output import OutputDir
 from .planner import consolidation_plan, dropped
@@ -143,14 +143,20 @@ def _copy_file(src: Store, rel: str, size: int, od: OutputDir,
     return w.result()
 
 
-def _writer(f, ck: Checkpoint, on_bytes, *, spans: bool = False):
+def _writer(f, ck: Checkpoint, on_bytes, *, spans: bool = False, buffer: int):
     """The writer of output file ``f``: a :class:`SpanWriter` where it copies source
     spans, or where it writes past the page cache (a local ext2/3/4 file,
-    :func:`~ckptctl.storage.localio.copies_through_memory`), else a ``HashingWriter``.
-    The caller closes a ``SpanWriter``, after its result or on the way out."""
+    :func:`~ckptctl.storage.localio.copies_through_memory`; staging buffers of ``buffer``
+    bytes), else a ``HashingWriter``. The caller closes a ``SpanWriter``, after its result
+    or on the way out."""
     if f.path is not None and (spans or copies_through_memory(f.path)):
-        return SpanWriter(f, ck.store, on_bytes=on_bytes)
+        return SpanWriter(f, ck.store, on_bytes=on_bytes, buffer=buffer)
     return HashingWriter(f, on_bytes=on_bytes)
+
+
+def _staged(od: OutputDir) -> bool:
+    """Do this output's writers stage through DirectWriter buffers (local ext2/3/4)?"""
+    return od.store.is_local and copies_through_memory(od.store.full(""))
 
 
 def _out_name(name: str, strip: str | None) -> str:
@@ -251,10 +257,15 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
             return dtype_converter(tc.dtype.name, conv_to)
         return None
 
-    def stream(names: list[str], streams: int) -> BlockStream:
-        """One read-ahead stream over the tensors of one output file, in write order."""
-        return BlockStream(ck, [by_name[n] for n in names],
-                           depth=stream_depth(max_memory, streams), convert_for=convert_for)
+    def stream(names: list[str], streams: int, staged: bool) -> BlockStream:
+        """One read-ahead stream over the tensors of one output file, in write order;
+        ``staged``: its writer's staging buffers come out of the same --max-memory."""
+        return BlockStream(ck, [by_name[n] for n in names], convert_for=convert_for,
+                           depth=stream_depth(max_memory, streams, staged))
+
+    def writer(f, streams: int, spans: bool = False):
+        return _writer(f, ck, on_bytes, spans=spans,
+                       buffer=staging_size(max_memory, streams))
 
     def spans_for(name: str):
         """The tensor as local source byte runs to copy in the kernel, or None."""
@@ -290,11 +301,11 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
         return ConsolidateResult(src, dst, to, [], len(tensors), len(objects), 0,
                                  round(time.monotonic() - t0, 3), dropped=gone)
     if to == "torch":
-        out = _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype,
-                           strip_prefix, on_bytes, force)
+        out = _write_torch(ck, dst, opts, tensors, objects, renamed, stream, writer,
+                           out_dtype, strip_prefix, force)
     else:
-        out = _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype,
-                                 parse_size(max_shard_size), workers, on_bytes, force,
+        out = _write_safetensors(dst, opts, ck, tensors, renamed, stream, writer, out_dtype,
+                                 parse_size(max_shard_size), workers, force,
                                  stem=output_stem(tensors), side=side, group=group,
                                  spans_for=spans_for)
     mid = out.manifest_id
@@ -320,8 +331,8 @@ def _finish(od: OutputDir, ck: Checkpoint, hashes: dict, folder: bool) -> _Writt
     return _Written(od.store, hashes, folder, mid)
 
 
-def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_shard,
-                       workers, on_bytes, force, *, stem: str = "model",
+def _write_safetensors(dst, opts, ck, tensors, renamed, stream, writer, out_dtype,
+                       max_shard, workers, force, *, stem: str = "model",
                        side: list[str] = (), group=None,
                        spans_for=lambda name: None) -> _Written:
     entries = []
@@ -351,14 +362,14 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_s
         names = [by_out[e[0]] for e in shard]
         # bytes stored as they go out (raw dim-0 shards, no cast) are copied in the kernel
         spans = {n: spans_for(n) for n in names} if od.store.is_local else {}
-        s = stream([n for n in names if spans.get(n) is None], nstreams)
+        s = stream([n for n in names if spans.get(n) is None], nstreams, _staged(od))
 
         def items(out: str):
             sp = spans.get(by_out[out])
             return sp if sp is not None else s.blocks(by_out[out])
 
         with od.open(fname) as f:
-            w = _writer(f, ck, on_bytes, spans=any(spans.values()))
+            w = writer(f, nstreams, spans=any(spans.values()))
             try:
                 write_file(w, shard, items, {"format": "pt"})
                 result = w.result()
@@ -391,8 +402,8 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, out_dtype, max_s
     return _Written(od.store, {rel: (d, n) for rel, (d, n) in done["hashes"].items()}, True)
 
 
-def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype, strip,
-                 on_bytes, force) -> _Written:
+def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, writer, out_dtype,
+                 strip, force) -> _Written:
     from ..formats.torchwrite import TensorRef, TorchZipWriter, lift_tensors, pickle_state
 
     _, path = split_url(dst)
@@ -418,10 +429,10 @@ def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, out_dtype, st
     inner_keys = (str(i) for i in itertools.count(len(tensors)))
     lifted = [(out_path(n), lift_tensors(decode_object(ck, n), inner_keys)) for n in objects]
     tree = nest([(out_path(n), refs[n]) for n in tensors] + [(p, v) for p, (v, _) in lifted])
-    s = stream(tensors, 1)
+    s = stream(tensors, 1, _staged(od))
     with od:
         with od.open(fname) as f:
-            w = _writer(f, ck, on_bytes)
+            w = writer(f, 1)
             try:
                 zw = TorchZipWriter(w, pickle_state(tree))
                 for n in tensors:

@@ -28,6 +28,7 @@ from ..formats.dcp_write import DcpWriter
 from ..formats.tensorio import byte_dtype, chunk_bytes, read_rows, read_rows_into, row_major_span
 from ..model import Checkpoint
 from ..storage import HashBehind, Store, open_store
+from ..storage.directwrite import BUFFER as DIRECT_BUFFER
 from ..storage.directwrite import DirectWriter
 from ..storage.localio import copies_through_memory
 from .commit import commit_written
@@ -136,14 +137,30 @@ class _BufferPool:
 IO_BLOCK = 4 << 20
 
 
-def stream_depth(max_memory: int, streams: int) -> int:
+def stream_depth(max_memory: int, streams: int, staged: bool = False) -> int:
     """Blocks to read ahead per write stream so that all streams stay within
-    ``max_memory`` (each holds depth + 2 blocks of :data:`IO_BLOCK`).
+    ``max_memory`` (each holds depth + 2 blocks of :data:`IO_BLOCK`, and, ``staged``,
+    its writer's two :func:`staging_size` buffers).
 
-    >>> stream_depth(1 << 30, 4), stream_depth(8 << 20, 1)
-    (14, 1)
+    >>> stream_depth(1 << 30, 4), stream_depth(8 << 20, 1), stream_depth(256 << 20, 4, staged=True)
+    (14, 1, 10)
     """
-    return max(1, min(14, max_memory // (max(1, streams) * IO_BLOCK) - 2))
+    streams = max(1, streams)
+    if staged:
+        max_memory -= streams * 2 * staging_size(max_memory, streams)
+    return max(1, min(14, max_memory // (streams * IO_BLOCK) - 2))
+
+
+def staging_size(max_memory: int, streams: int) -> int:
+    """The staging buffer of each write stream's
+    :class:`~ckptctl.storage.directwrite.DirectWriter` (which holds two) within
+    ``max_memory``: an eighth of a stream's share, 1 MiB to the writer's 32 MiB in whole MiB.
+
+    >>> [staging_size(m << 20, 4) >> 20 for m in (1024, 256, 16)]
+    [32, 8, 1]
+    """
+    share = max_memory // max(1, streams)
+    return max(1 << 20, min(DIRECT_BUFFER, (share // 8) >> 20 << 20))
 
 
 class BlockStream:
@@ -249,7 +266,8 @@ class SpanWriter:
     a :class:`~ckptctl.storage.directwrite.DirectWriter`, past the page cache and hashed
     on the way; elsewhere blocks are written, spans copied in the kernel (no pass through
     Python, as ``cp`` does: XFS and btrfs reflink it), and the whole file is hashed from
-    the page cache right behind (:class:`HashBehind`).
+    the page cache right behind (:class:`HashBehind`). ``buffer``: the DirectWriter's
+    staging buffer size (:func:`staging_size`, so it fits the caller's memory budget).
 
     >>> w = SpanWriter(f, ck.store); w.write(header); w.write(Span("__0_0.distcp", 0, 64))  # doctest: +SKIP
     >>> w.result()                                                                        # doctest: +SKIP
@@ -257,13 +275,14 @@ class SpanWriter:
     """
 
     def __init__(self, out, src: Store, algo: str = "xxh3-128",
-                 on_bytes: Callable[[int], None] | None = None):
+                 on_bytes: Callable[[int], None] | None = None, *,
+                 buffer: int = DIRECT_BUFFER):
         self.out, self.src, self.on_bytes = out, src, on_bytes
         self.pos = 0
         self._fds: dict[str, int] = {}
         self._direct = self._hash = None
         if copies_through_memory(out.path):
-            self._direct = DirectWriter(out.path, algo)
+            self._direct = DirectWriter(out.path, algo, buffer=buffer)
         else:
             self._hash = HashBehind(out.path, algo)
 
