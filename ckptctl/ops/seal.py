@@ -21,7 +21,6 @@ import re
 import socket
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
@@ -30,14 +29,11 @@ from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
 from ..formats.detect import locate, open_checkpoint
 from ..formats.locate import refuse_save_folder
 from ..formats.manifest import MANIFEST, Manifest, is_control_file, is_temp_name
-from ..storage import Store, digest_bytes, hash_file, normalize_algo, open_store
+from ..storage import Store, digest_bytes, normalize_algo, open_store
 from .commit import commit, manifest_for
-from .verify import Problem, verify
+from .verify import Problem, check_and_hash, verify
 
 
-#: Remote files up to this size are hashed from the one whole-file GET the store caches
-#: (the default ``max_file`` of :meth:`~ckptctl.storage.Store.cache_small_files`).
-SMALL_FILE = 16 << 20
 #: Reads and conditional writes of the manifest before a seal gives up on a manifest that
 #: other writers keep changing (each round is a few requests).
 ROUNDS = 16
@@ -193,8 +189,10 @@ def seal_or_hash(url: str, storage_options: dict | None = None, *,
 
 def _hash_manifest(url: str, storage_options, located, *, algo: str, step, tags, known,
                    already: int, workers: int, on_bytes, on_total) -> Manifest:
-    """Structure checks, then the hashes of every file not in ``known`` (files a manifest
-    proved just now): the manifest to commit. Nothing is written."""
+    """The manifest to commit: every file not in ``known`` (files a manifest proved just
+    now) hashed in the one read that runs every check its format carries (structure, zip
+    CRC-32s, ``integrity.json``: :func:`~.verify.check_and_hash`), so that a manifest is
+    never written over bytes the format itself says are wrong. Nothing is written."""
     store, files, _ = located
     try:
         ck = open_checkpoint(url, storage_options, strict=False, located=located)
@@ -202,35 +200,33 @@ def _hash_manifest(url: str, storage_options, located, *, algo: str, step, tags,
         raise
     except CkptError:
         ck = None  # verify opens it again and reports what is wrong as a finding
-    r = verify(url, storage_options, level="structure", workers=workers, located=located,
-               checkpoint=ck, uploads=False)
-    if any(p.severity == "error" for p in r.problems):  # e.g. what a killed seal left
-        p = _worst(r.problems)
-        raise Finding(p.path or url, f"refusing to seal: {p.code}: {p.message}"
-                      + (f" (+{len(r.problems) - 1} more problems)" if len(r.problems) > 1 else ""),
-                      code=p.code)
-    if step is None:
-        step = ck.step
     names = sorted(rel for rel in files if not is_control_file(rel) and not is_temp_name(rel)
                    and rel not in known)  # known: proven against the manifest just now
-    if on_total:
-        on_total(already + sum(files[rel] for rel in names))
-
-    def one(rel):
-        if not store.is_local and files[rel] <= SMALL_FILE:  # already fetched: no new GET
-            data = store.read(rel)
-            if on_bytes:
-                on_bytes(len(data))
-            return rel, (digest_bytes(data, algo), len(data))
-        return rel, hash_file(store, rel, algo, on_bytes)
-
-    with ThreadPoolExecutor(max(1, min(workers, len(names)))) as pool:
-        hashes = {**known, **dict(pool.map(one, names))}
-    for rel, (_, size) in hashes.items():
-        if size != files[rel]:
+    r, digests = check_and_hash(url, storage_options, algo=algo, names=names, workers=workers,
+                                on_bytes=on_bytes, located=located, checkpoint=ck,
+                                on_total=on_total and (lambda n: on_total(already + n)))
+    _refuse_problems(url, r.problems)
+    if step is None:
+        step = ck.step
+    hashes = {**known, **digests}
+    for rel in names:
+        if rel not in digests or digests[rel][1] != files[rel]:
             raise Finding(store.display(rel), "changed size while being sealed: is a writer "
                           "still running?", code="SIZE_MISMATCH")
     return manifest_for(ck, hashes, algo=algo, step=step, tags=tags)
+
+
+def _refuse_problems(url: str, problems: list[Problem]) -> None:
+    """A seal stops at the first error a check found (exit 1), naming its file and entry;
+    warnings (a stray temp file) are no reason."""
+    errors = [p for p in problems if p.severity == "error"]
+    if not errors:
+        return
+    p = errors[0]
+    raise Finding(p.path or url, f"refusing to seal: {p.code}: "
+                  + (f"{p.entry}: " if p.entry else "") + p.message
+                  + (f" (+{len(errors) - 1} more problems)" if len(errors) > 1 else ""),
+                  code=p.code)
 
 
 # --------------------------------------------------------------------------- publishing

@@ -148,6 +148,11 @@ class _Checker:
         self.problems: list[Problem] = []
         self.ck: Checkpoint | None = None
         self.result = VerifyResult(False, level, url, None, False)
+        #: sealing (:func:`check_and_hash`): the files to hash with ``seal_algo`` in the
+        #: full pass that checks them, and the (digest, size) of each, filled by it
+        self.seal_algo: str | None = None
+        self.seal_names: list[str] = []
+        self.digests: dict[str, tuple[str, int]] = {}
 
     def add(self, code, message, *, path=None, entry=None, severity="error"):
         self.problems.append(Problem(code, severity, path, entry, message))
@@ -499,14 +504,18 @@ class _Checker:
         from .scan import Finite, ZipCrc, scan_file
 
         ck, store = self.ck, self.store
-        sealed = self.manifest is not None
+        sealing = self.seal_algo is not None  # the files to seal, checked as unsealed ones
+        sealed = self.manifest is not None and not sealing
         algo = normalize_algo(self.manifest.hash) if sealed else None
         self.result.hash = algo
         # Megatron's own SHA-256 manifest: checked when there is no ckptctl one
         integrity = None if sealed else self._integrity()
-        files = self._data_files() if integrity is None else \
-            sorted(set(self._data_files()) | {rel for rel in integrity if rel in self.files})
-        files = self._sampled(files)
+        if sealing:
+            files = list(self.seal_names)
+        else:
+            files = self._data_files() if integrity is None else \
+                sorted(set(self._data_files()) | {rel for rel in integrity if rel in self.files})
+            files = self._sampled(files)
         if self.group is not None and self.group.active:  # file i: process i % world size
             files = self.group.mine(files)
         chosen = set(files)
@@ -581,17 +590,20 @@ class _Checker:
 
         if self.on_total:  # what on_bytes will count: every file read, zstd chunks decoded
             self.on_total(sum(self.files[rel] for rel in files
-                              if sealed or regions[rel] or rel not in torch_files)
+                              if sealed or sealing or regions[rel] or rel not in torch_files)
                           + sum(e.dtype.nbytes(c.numel) for kind, e, c in side if kind == "zstd"))
 
         def scan(rel):
             hasher = new_hasher(algo) if sealed else \
                 new_hasher("sha256") if integrity and rel in integrity else None
+            content = new_hasher(self.seal_algo) if sealing else None
             todo = regions[rel]
-            if not sealed and not todo and rel in torch_files:
+            if not sealed and not sealing and not todo and rel in torch_files:
                 return rel, None, []  # a legacy torch.save file: decoded by torch.load
             try:
-                scan_file(store, rel, [r for r, _ in todo], hasher=hasher, on_bytes=self.on_bytes)
+                n = scan_file(store, rel, [r for r, _ in todo], on_bytes=self.on_bytes,
+                              hasher=_Both(hasher, content) if hasher and content
+                              else hasher or content)
             except CkptError as e:
                 if isinstance(e, StorageError) or getattr(store, "protocol", None) != "pack":
                     raise
@@ -599,6 +611,8 @@ class _Checker:
                 self.add(e.code if e.code in PROBLEM_CODES else "MALFORMED_CHUNK", e.message,
                          path=e.path)
                 return rel, "unreadable", []
+            if content is not None:
+                self.digests[rel] = (content.hexdigest(), n)
             return rel, hasher.hexdigest() if hasher else None, todo
 
         def decode(job):
@@ -610,7 +624,8 @@ class _Checker:
             sides = list(pool.map(decode, side))
         read = 0
         for rel, digest, todo in scans:
-            if digest is None and not todo and not sealed and rel in torch_files:
+            if digest is None and not todo and not sealed and rel in torch_files \
+                    and rel not in self.digests:
                 continue
             read += 1
             if sealed and digest != self.manifest.files[rel].hash:
@@ -723,8 +738,9 @@ class _Checker:
             from .distributed import full_shared
 
             full_shared(self.group, self, run=not fatal)  # rank 0 gets every finding
-        elif not fatal and self.level == "full":
-            self.full()
+        elif not fatal and self.level == "full" and not (
+                self.seal_algo and any(p.severity == "error" for p in self.problems)):
+            self.full()  # (a seal refused on its structure reads no data)
         r = self.result
         r.files_checked = len([rel for rel in getattr(self, "files", {})
                                if rel != MANIFEST and not is_temp_name(rel)])
@@ -734,6 +750,21 @@ class _Checker:
             + getattr(self, "_other_bytes", 0)
         r.seconds = round(time.monotonic() - t0, 3)
         return r
+
+
+class _Both:
+    """Two hashers fed the same bytes (a file's content hash for its manifest and the
+    SHA-256 Megatron's ``integrity.json`` records)."""
+
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+
+    def update(self, data) -> None:
+        self.a.update(data)
+        self.b.update(data)
+
+    def hexdigest(self) -> str:
+        return self.a.hexdigest()
 
 
 def _or_none(fn, *args):
@@ -785,6 +816,29 @@ def verify(url: str, storage_options: dict | None = None, *, level: str = "struc
                  on_bytes, located, checkpoint, uploads, on_total, group=group)
     c.bases = bases
     return c.run()
+
+
+def check_and_hash(url: str, storage_options: dict | None = None, *, algo: str,
+                   names: list[str], workers: int = 4,
+                   on_bytes: Callable[[int], None] | None = None,
+                   on_total: Callable[[int], None] | None = None,
+                   located: tuple | None = None, checkpoint: Checkpoint | None = None
+                   ) -> tuple[VerifyResult, dict[str, tuple[str, int]]]:
+    """What a seal stands on: the checks of ``verify --level full`` of an unsealed
+    checkpoint (structure, every zip record's CRC-32, Megatron's ``integrity.json``, zstd
+    chunks decoded) on the files ``names``, in the same read that hashes each of them with
+    ``algo``. Returns the result and each file's (digest, bytes read); the data is not
+    read at all when the structure is already wrong. A sealed checkpoint (``seal
+    --update``) has its new files checked as unsealed ones.
+
+    >>> r, digests = check_and_hash("ckpt/", algo="xxh3-128", names=["__0_0.distcp"])  # doctest: +SKIP
+    >>> r.ok, digests["__0_0.distcp"][1]                       # doctest: +SKIP
+    (True, 4194304)
+    """
+    c = _Checker(url, storage_options, "full", None, False, None, workers, on_bytes,
+                 located, checkpoint, False, on_total)
+    c.seal_algo, c.seal_names = normalize_algo(algo), list(names)
+    return c.run(), c.digests
 
 
 @dataclass
