@@ -39,7 +39,7 @@ def ls(
     for p in r.pointers:  # a resume that reads it would fail: say so even with --quiet
         if not p["present"]:
             what = f"names {p['names']}, which is not here" if p["names"] else \
-                "names no checkpoint folder"
+                f"refused: {p['refused']}" if p.get("refused") else "names no checkpoint folder"
             print(f"ckptctl: warning: {p['file']} {what}", file=sys.stderr)
     if quiet:
         return

@@ -43,7 +43,8 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..errors import FormatError, UnsupportedFormatError, layout_refused
+from ..errors import (FormatError, ProblemCode, UnsafeInputError, UnsupportedFormatError,
+                      layout_refused)
 from ..model import Checkpoint, ObjectEntry, TensorEntry
 from ..storage import Store
 from .safe_pickle import record_class
@@ -59,6 +60,9 @@ _LAYER = re.compile(r"^layer_\d+")
 _EXPERT = re.compile(r"expert_\d+|expp_rank_\d+")
 #: ``ds_to_universal``'s tree: ``zero/<param>/<state>.pt``, ``zero/optimizer_state.pt``.
 UNIVERSAL_FILE = re.compile(r"^zero/([^/]+)/(fp32|exp_avg|exp_avg_sq|step)\.pt$")
+UNIVERSAL_OPTIM = "zero/optimizer_state.pt"
+_TREE_FILE = re.compile(r"^zero/([^/]+)/([^/]+)$")
+_STATE_FILE = re.compile(r"^([A-Za-z_][A-Za-z0-9_]*)\.pt$")  # fp32.pt, exp_avg.pt, ...
 #: The prefix of the client state's entries (``client_state.epoch``): ``load_checkpoint``
 #: returns it as one dict, and the names never meet DeepSpeed's own (``step``).
 CLIENT = "client_state"
@@ -607,82 +611,238 @@ def is_universal(files: dict[str, int]) -> bool:
     return any(UNIVERSAL_FILE.match(f) for f in files)
 
 
+def is_param_name(name: str) -> bool:
+    """Can ``name`` be a parameter's folder under ``zero/``: dotted parts, none empty, no
+    path separator or control character (``..evil`` and ``a/b`` cannot).
+
+    >>> is_param_name("layers.0.attn.weight"), is_param_name("..evil"), is_param_name("x.")
+    (True, False, False)
+    """
+    return bool(name) and all(part and part.isprintable() and "\\" not in part
+                              and "/" not in part for part in name.split("."))
+
+
+def universal_tree(files: dict[str, int]) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """(param -> state -> file) of a universal checkpoint's ``zero/`` tree, and the sorted
+    files under ``zero/`` that are no part of that layout (deeper folders, a folder whose
+    name is no parameter name, a file that is no ``<state>.pt``).
+
+    >>> universal_tree({"zero/w/fp32.pt": 8, "zero/w/exp_avg.pt": 8, "zero/optimizer_state.pt": 1,
+    ...                 "zero/..evil/fp32.pt": 8, "mp_rank_00_model_states.pt": 9})
+    ({'w': {'exp_avg': 'zero/w/exp_avg.pt', 'fp32': 'zero/w/fp32.pt'}}, ['zero/..evil/fp32.pt'])
+    """
+    tree: dict[str, dict[str, str]] = {}
+    extra = []
+    for f in sorted(files):
+        if not f.startswith("zero/") or f == UNIVERSAL_OPTIM:
+            continue
+        m = _TREE_FILE.match(f)
+        state = _STATE_FILE.match(m.group(2)) if m and is_param_name(m.group(1)) else None
+        if state:
+            tree.setdefault(m.group(1), {})[state.group(1)] = f
+        else:
+            extra.append(f)
+    return tree, extra
+
+
+def universal_files(files: dict[str, int]) -> set[str]:
+    """The files of ``files`` (a folder's listing) that a universal checkpoint's layout
+    names below its top: ``zero/optimizer_state.pt`` and ``zero/<param>/<state>.pt``
+    (what the folder owns beside its top-level model states); empty for other folders.
+
+    >>> sorted(universal_files({"zero/w/fp32.pt": 8, "zero/w/NOTES.md": 1, "NOTES.md": 1}))
+    ['zero/w/fp32.pt']
+    """
+    if not is_universal(files):
+        return set()
+    tree, _ = universal_tree(files)
+    own = {f for states in tree.values() for f in states.values()}
+    return own | ({UNIVERSAL_OPTIM} & set(files))
+
+
+def _missing(where: str, message: str) -> FormatError:
+    """A piece the format's own index names that is not there (``MISSING_FILE``: verify
+    and ls call the checkpoint incomplete)."""
+    return FormatError(where, message, code=ProblemCode.MISSING_FILE)
+
+
+def _universal_index(store: Store, tf_: TagFiles, msd: dict, model
+                     ) -> tuple[dict[str, tuple], set[str], dict[str, tuple]]:
+    """What the model-states file says the ``zero/`` tree holds: (param -> shape of the
+    trainable parameters, each of which must have its folder; the names that may have one
+    too (frozen parameters, buffers, tied names, the module's); name -> shape of those)."""
+    mp = sorted(tf_.mp_ranks)
+    want_mp = msd.get("mp_world_size")
+    if mp != list(range(len(mp))) or (isinstance(want_mp, int) and want_mp != len(mp)):
+        raise _missing(store.url, f"model states of tensor-parallel ranks {mp}, mp_world_size "
+                       f"says {want_mp}: a rank's *_model_states.pt is missing")
+    dp = msd.get("dp_world_size")
+    zero3 = [f for f in tf_.model if ZERO3_MODEL.match(f)]
+    if zero3 and isinstance(dp, int) and len(zero3) != dp * len(mp):
+        raise _missing(store.url, f"{len(zero3)} ZeRO-3 model-states files, dp_world_size {dp} "
+                       f"x mp_world_size {len(mp)} says {dp * len(mp)}: a rank's file is missing")
+    groups = msd.get("param_shapes")
+    if not isinstance(groups, list) or not all(isinstance(g, dict) for g in groups):
+        raise FormatError(model.where, "param_shapes is not a list of groups")
+    params = {n: _shape(s, model.where, n) for g in groups for n, s in g.items()}
+    frozen = msd.get("frozen_param_shapes") or {}
+    shapes = {n: _shape(s, model.where, n)
+              for n, s in _dict(frozen, model.where, "frozen_param_shapes").items()}
+    module = msd.get("module") if isinstance(msd.get("module"), dict) else {}
+    for n, st in module.items():  # buffers, and ZeRO-1/2's frozen params (ZeRO-3: placeholders)
+        if isinstance(n, str) and isinstance(st, StoredTensor) and st.numel and n not in shapes:
+            shapes[n] = st.size
+    buffers = [n for n in msd.get("buffer_names") or [] if isinstance(n, str)]
+    shared = _dict(msd.get("shared_params") or {}, model.where, "shared_params")
+    for alias, target in shared.items():
+        if target in params or target in shapes:
+            shapes[alias] = params.get(target, shapes.get(target))
+    shapes.update(params)
+    return params, set(shapes) | set(buffers) | set(shared) | set(module), shapes
+
+
+def _check_tree(store: Store, tree: dict[str, dict[str, str]], extra: list[str],
+                params: dict[str, tuple], allowed: set[str], index: str) -> None:
+    """The ``zero/`` tree against the index (``index``: the model-states file): a folder
+    for every trainable parameter, none for a name it does not know, and each trainable
+    parameter's folder holding the same optimizer states as the others (or none: a
+    parameter without optimizer state has its ``fp32.pt`` only). Refuses the first piece
+    missing or extra by name."""
+    for f in extra:
+        folder = f.split("/")[1]
+        if not is_param_name(folder):
+            raise UnsafeInputError(store.display(f"zero/{folder}/"), "not a parameter name: a "
+                                   "universal checkpoint's zero/ holds one folder per parameter")
+        raise FormatError(store.display(f), "not a file of a universal checkpoint "
+                          "(zero/<param>/<state>.pt)")
+    for name in sorted(tree):
+        if name not in allowed:
+            raise FormatError(store.display(f"zero/{name}/"), f"a parameter folder that "
+                              f"param_shapes in {index} does not list")
+    for name in params:
+        if name not in tree:
+            raise _missing(store.display(f"zero/{name}/"), f"missing: param_shapes in {index} "
+                           f"lists {name}")
+    for name in sorted(tree):
+        if "fp32" not in tree[name]:
+            raise _missing(store.display(f"zero/{name}/fp32.pt"), "missing: every parameter's "
+                           "folder holds its fp32.pt")
+    states = set().union(*(set(tree[n]) for n in params)) - {"fp32"} if params else set()
+    for name in params:
+        lacks = sorted(states - set(tree[name]))
+        if lacks and set(tree[name]) != {"fp32"}:
+            held = ", ".join(f"{k}.pt" for k in sorted(states | {"fp32"}))
+            raise _missing(store.display(f"zero/{name}/{lacks[0]}.pt"), "missing: the other "
+                           f"parameters' folders hold {held}")
+
+
+def _shape_agrees(got: tuple, want: tuple, tp: int) -> bool:
+    """Does a ``zero/`` file's tensor shape ``got`` agree with the index's ``want``: the
+    same; ZeRO-3's flat copy of it; or (``tp`` tensor-parallel ranks, whose index holds
+    rank 0's shard) ``tp`` shards joined on one dimension.
+
+    >>> _shape_agrees((8, 4), (8, 4), 1), _shape_agrees((32,), (8, 4), 1)
+    (True, True)
+    >>> _shape_agrees((8, 4), (4, 8), 1)
+    False
+    >>> _shape_agrees((28, 13), (14, 13), 2), _shape_agrees((28, 26), (14, 13), 2)
+    (True, False)
+    """
+    if tuple(got) == tuple(want) or (len(got) == 1 and got[0] == math.prod(want)):
+        return True
+    if tp <= 1 or len(got) != len(want):
+        return False
+    diff = [d for d, (g, w) in enumerate(zip(got, want)) if g != w]
+    return len(diff) == 1 and got[diff[0]] == want[diff[0]] * tp
+
+
 def read_universal(store: Store, files: dict[str, int]) -> Checkpoint:
     """Read a universal checkpoint (``ds_to_universal`` output, or ckptctl's): one folder
     per parameter under ``zero/`` holding ``fp32.pt``, ``exp_avg.pt``, ``exp_avg_sq.pt``
     (and ``step.pt``), each a tensor or ``{"param": tensor, ...}``; 1-D ones (ZeRO-3's)
-    take the shape ``param_shapes`` gives."""
+    take the shape ``param_shapes`` gives. The tree is checked against the index the
+    model-states file keeps (``param_shapes`` and the frozen, buffer and tied names, the
+    rank counts): a piece missing, extra or of another shape is refused by name.
+
+    >>> ck = read_universal(open_store("uni/global_step3_universal"), files)  # doctest: +SKIP
+    >>> ck.tensors["model.fc1.weight"].shape                                 # doctest: +SKIP
+    (29, 13)
+    """
     where = store.url
     tf_ = tag_files(files)
+    tree, extra = universal_tree(files)
+    if not tf_.model:
+        raise _missing(where, "no *_model_states.pt: the universal checkpoint's index "
+                       "(param_shapes) is not there")
+    model = _load(store, tf_.model[0], files[tf_.model[0]])
+    msd = _dict(model.obj, model.where, "the model-states file")
+    params, allowed, shapes = _universal_index(store, tf_, msd, model)
+    _check_tree(store, tree, extra, params, allowed, model.rel)
+    tp = max(1, len(tf_.mp_ranks))
     ck = Checkpoint(root=store.url, format="deepspeed-universal", store=store, files=dict(files))
-    ck.info["deepspeed"] = {"universal": True, "model_file": (tf_.model or [None])[0]}
-    b = EntryBuilder(ck, default_file=(tf_.model or [None])[0])
-    shapes: dict[str, tuple] = {}
-    msd: dict = {}
-    model = None
-    if tf_.model:
-        model = _load(store, tf_.model[0], files[tf_.model[0]])
-        msd = _dict(model.obj, model.where, "the model-states file")
-        for g in msd.get("param_shapes") or []:
-            if isinstance(g, dict):
-                shapes.update({n: _shape(s, model.where, n) for n, s in g.items()})
-        for n, s in (msd.get("frozen_param_shapes") or {}).items():
-            shapes[n] = _shape(s, model.where, n)
-    per_param: dict[str, dict[str, str]] = {}
-    for f in files:
-        if m := UNIVERSAL_FILE.match(f):
-            per_param.setdefault(m.group(1), {})[m.group(2)] = f
-    names = sorted(per_param)
+    ck.info["deepspeed"] = {"universal": True, "model_file": model.rel}
+    b = EntryBuilder(ck, default_file=model.rel)
+    names = sorted(tree)
     loaded = _parallel(lambda f: _load(store, f, files[f]),
-                       [f for n in names for f in per_param[n].values()])
+                       [f for n in names for f in tree[n].values()])
     by_file = {t.rel: t for t in loaded}
     for name in names:
-        states = per_param[name]
-        if "fp32" not in states:
-            raise FormatError(where, f"zero/{name}/ has no fp32.pt")
-        for key in ("fp32", "exp_avg", "exp_avg_sq", "step"):
-            if key not in states:
-                continue
-            tf = by_file[states[key]]
-            obj = tf.obj
-            if isinstance(obj, dict):
-                # cat_dim says how TP slices join; the file holds the joined tensor
-                extra = sorted(str(k) for k in obj if k not in ("param", "cat_dim"))
-                if extra:
-                    raise _refuse(tf.where, f"a universal checkpoint with tensor-parallel "
-                                  f"slicing metadata ({', '.join(map(str, extra))})")
-                obj = obj.get("param")
-            entry = f"model.{name}" if key == "fp32" else f"optim.state.{name}.{key}"
-            if isinstance(obj, StoredTensor):
-                shape = shapes.get(name, obj.size)
-                if math.prod(shape) != obj.numel:
-                    shape = obj.size
-                b.stored(entry, tf, obj, shape if key != "step" else None)
-            elif key == "step" and isinstance(obj, (int, float)):
-                b.ck.objects[entry] = ObjectEntry(entry, None, value=obj, type_name=type(obj).__name__)
-            else:
-                raise FormatError(tf.where, f"holds {type(obj).__name__}, not a tensor")
-    if "zero/optimizer_state.pt" in files:
-        tf = _load(store, "zero/optimizer_state.pt", files["zero/optimizer_state.pt"])
-        osd = _dict(tf.obj, tf.where, "optimizer_state.pt")
-        inner = osd.get("optimizer_state_dict")  # ZeRO-3's: the step lives here, one for all
-        state0 = ((inner or {}).get("state") or {}).get(0) if isinstance(inner, dict) else None
-        step = state0.get("step") if isinstance(state0, dict) else None
-        if isinstance(step, StoredTensor):
-            for name in names:
-                if f"optim.state.{name}.step" not in ck.tensors and f"model.{name}" in ck.tensors \
-                        and f"optim.state.{name}.exp_avg" in ck.tensors:
-                    b.stored(f"optim.state.{name}.step", tf, step)
-        for g, group in enumerate(osd.get("param_groups") or []):
-            for k, v in _dict(group, tf.where, f"param group {g}").items():
-                b.ck.objects[f"optim.param_groups.{g}.{k}"] = ObjectEntry(
-                    f"optim.param_groups.{g}.{k}", None, value=_plain(v), type_name="object")
-    if model is not None:
-        _universal_rest(b, store, files, tf_, msd, model)
-        _rest(b, msd, {}, model, model)
+        for key in ["fp32"] + sorted(set(tree[name]) - {"fp32"}):
+            _universal_state(b, by_file[tree[name][key]], name, key, shapes.get(name), tp)
+    if UNIVERSAL_OPTIM in files:
+        _universal_optimizer(b, store, files, names)
+    _universal_rest(b, store, files, tf_, msd, model)
+    _rest(b, msd, {}, model, model)
     ck.info["origin"] = describe(ck)
-    ck.info["zip_files"] = sorted(t.rel for t in loaded) + ([model.rel] if model else [])
+    ck.info["zip_files"] = sorted(t.rel for t in loaded) + [model.rel]
     return ck
+
+
+def _universal_state(b: EntryBuilder, tf, name: str, key: str, want: tuple | None,
+                     tp: int) -> None:
+    """One ``zero/<name>/<key>.pt``: ``model.<name>`` (``fp32``) or
+    ``optim.state.<name>.<key>``, its shape checked against the index's ``want``."""
+    obj = tf.obj
+    if isinstance(obj, dict):
+        # cat_dim says how TP slices join; the file holds the joined tensor
+        extra = sorted(str(k) for k in obj if k not in ("param", "cat_dim"))
+        if extra:
+            raise _refuse(tf.where, f"a universal checkpoint with tensor-parallel "
+                          f"slicing metadata ({', '.join(extra)})")
+        obj = obj.get("param")
+    entry = f"model.{name}" if key == "fp32" else f"optim.state.{name}.{key}"
+    if key == "step" and isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        b.ck.objects[entry] = ObjectEntry(entry, None, value=obj, type_name=type(obj).__name__)
+        return
+    if not isinstance(obj, StoredTensor):
+        raise FormatError(tf.where, f"holds {type(obj).__name__}, not a tensor")
+    if key == "step":
+        b.stored(entry, tf, obj, None)
+        return
+    if want is not None and not _shape_agrees(obj.size, want, tp):
+        raise FormatError(tf.where, f"holds shape {tuple(obj.size)} but param_shapes says "
+                          f"{tuple(want)}")
+    shape = want if want is not None and math.prod(want) == obj.numel else obj.size
+    b.stored(entry, tf, obj, shape)
+
+
+def _universal_optimizer(b: EntryBuilder, store: Store, files: dict[str, int],
+                         names: list[str]) -> None:
+    """``zero/optimizer_state.pt``: the param groups, and ZeRO-3's one step for all."""
+    tf = _load(store, UNIVERSAL_OPTIM, files[UNIVERSAL_OPTIM])
+    osd = _dict(tf.obj, tf.where, "optimizer_state.pt")
+    inner = osd.get("optimizer_state_dict")  # ZeRO-3's: the step lives here, one for all
+    state0 = ((inner or {}).get("state") or {}).get(0) if isinstance(inner, dict) else None
+    step = state0.get("step") if isinstance(state0, dict) else None
+    if isinstance(step, StoredTensor):
+        for name in names:
+            if f"optim.state.{name}.step" not in b.ck.tensors and f"model.{name}" in b.ck.tensors \
+                    and f"optim.state.{name}.exp_avg" in b.ck.tensors:
+                b.stored(f"optim.state.{name}.step", tf, step)
+    for g, group in enumerate(osd.get("param_groups") or []):
+        for k, v in _dict(group, tf.where, f"param group {g}").items():
+            b.ck.objects[f"optim.param_groups.{g}.{k}"] = ObjectEntry(
+                f"optim.param_groups.{g}.{k}", None, value=_plain(v), type_name="object")
 
 
 def _universal_rest(b: EntryBuilder, store: Store, files: dict[str, int], tf_: TagFiles,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import posixpath
 import re
 
-from ..errors import FormatError, NotFoundError, UnsupportedFormatError, UsageError
+from ..errors import (FormatError, NotFoundError, UnsafeInputError, UnsupportedFormatError,
+                      UsageError)
 from ..storage import Store, open_store
 from .torchsave import is_torch_file
 
@@ -61,6 +62,10 @@ def latest_tag(store: Store, files: dict[str, int], *, strict: bool = True) -> s
             tag = store.read(name).decode("utf-8").strip()
         except UnicodeDecodeError:
             why = "is no DeepSpeed tag file (not text)"
+        except UnsafeInputError as e:  # a link leaving the folder: refused, never followed
+            if strict:
+                raise
+            why = e.message
         else:
             if not _TAG.match(tag) or tag in (".", ".."):
                 why = f"names {tag[:60]!r}, not a tag folder"
@@ -101,8 +106,9 @@ def pointers(store: Store, files: dict[str, int], folders=("",)) -> list[dict]:
     """The pointer files (:data:`POINTER_FILES`) of each of ``folders`` (relative to the
     store; ``""`` its top) that ``files`` (the store's listing) holds, and what each names:
     ``{"file", "names", "present"}`` (``file`` relative to the store; ``names`` None:
-    unreadable; ``present``: the folder it names is in the listing). One small read each,
-    nothing for a folder without one.
+    unreadable; ``present``: the folder it names is in the listing), plus ``refused`` (why)
+    for a link that leaves the store: never read. One small read each, nothing for a
+    folder without one.
 
     >>> import tempfile, pathlib; from ckptctl.storage import open_store
     >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / MEGATRON_TRACKER).write_text("30")
@@ -116,15 +122,19 @@ def pointers(store: Store, files: dict[str, int], folders=("",)) -> list[dict]:
             f = base + name
             if f not in files:
                 continue
-            target = None
+            target, refused = None, None
             if files[f] <= 4096:
                 try:
                     target = pointer_target(name, store.read(f).decode("utf-8"))
                 except (UnicodeDecodeError, ValueError):
                     target = None
+                except UnsafeInputError as e:  # a link out of the root: the rest is listed
+                    refused = e.message
             out.append({"file": f, "names": target,
                         "present": target is not None and any(x.startswith(f"{base}{target}/")
                                                               for x in files)})
+            if refused:
+                out[-1]["refused"] = refused
     return out
 
 

@@ -24,6 +24,10 @@ opaque (never rebuilt). The distributed optimizer's ``mp_rank_TT[_PPP]/distrib_o
 (flat fp32 buckets of ``param``/``exp_avg``/``exp_avg_sq`` in the grad buffer's order, which
 the checkpoint does not record) is checked to be one and kept as one opaque object per
 rank, ``distrib_optim.mp_rank_TT_PPP``: copies carry it, a conversion refuses it by name.
+Every rank folder must hold one when any does (or ``args.use_distributed_optimizer`` is set
+and the rank files hold optimizer state), and its ``numel_unpadded`` must fit its flat
+buffers and its rank's parameters; the rank folders must make up the TP x PP grid the rank
+files' ``args`` record. What is missing is refused by name (``MISSING_FILE``).
 
 >>> rank_of("mp_rank_01_002/model_optim_rng.pt"), rank_of("mp_rank_03/model_optim_rng.pt")
 ((1, 2), (3, 0))
@@ -31,9 +35,11 @@ rank, ``distrib_optim.mp_rank_TT_PPP``: copies carry it, a conversion refuses it
 from __future__ import annotations
 
 import math
+import posixpath
 import re
 
-from ..errors import FormatError, UnsupportedFormatError, layout_refused
+from ..errors import (FormatError, ProblemCode, UnsafeInputError, UnsupportedFormatError,
+                      layout_refused)
 from ..model import DTYPES, Checkpoint, Chunk, Extent, ObjectEntry, TensorEntry
 from ..storage import Store
 from .safe_pickle import record_class
@@ -117,6 +123,20 @@ def is_legacy(files: dict[str, int]) -> bool:
     return any(RANK_FILE.match(f) for f in files)
 
 
+def legacy_files(files: dict[str, int]) -> set[str]:
+    """The files of ``files`` (an iteration folder's listing) that the legacy layout names:
+    each rank folder's ``model_optim_rng.pt`` and the ``distrib_optim.pt`` beside it (what
+    the iteration owns); nothing else in a rank folder.
+
+    >>> sorted(legacy_files({"mp_rank_00/model_optim_rng.pt": 9, "mp_rank_00/distrib_optim.pt": 9,
+    ...                      "mp_rank_00/NOTES.md": 1, "mp_rank_01/distrib_optim.pt": 9}))
+    ['mp_rank_00/distrib_optim.pt', 'mp_rank_00/model_optim_rng.pt']
+    """
+    ranks = {f for f in files if RANK_FILE.match(f)}
+    return ranks | {f for f in files if f.endswith("/" + DISTRIB_OPTIM)
+                    and posixpath.dirname(f) + "/model_optim_rng.pt" in ranks}
+
+
 def _refuse(where: str, what: str) -> UnsupportedFormatError:
     return layout_refused(where, f'Megatron legacy {what}', "Megatron legacy")
 
@@ -158,8 +178,10 @@ def read_legacy(store: Store, files: dict[str, int]) -> Checkpoint:
     if tps != list(range(tp)) or pps != list(range(pp)) or len(ranks) != tp * pp:
         missing = [f"mp_rank_{t:02d}_{p:03d}" for t in range(max(tps) + 1)
                    for p in range(max(pps) + 1) if (t, p) not in ranks]
-        raise FormatError(where, f"rank files missing: {', '.join(missing[:4]) or '?'}")
+        raise FormatError(where, f"rank files missing: {', '.join(missing[:4]) or '?'}",
+                          code=ProblemCode.MISSING_FILE)
     loaded = {r: TorchFile(store, f, files[f], GLOBALS) for r, f in sorted(ranks.items())}
+    _check_degrees(where, loaded, tp, pp)
     for r, tf in loaded.items():
         if not isinstance(tf.obj, dict) or not isinstance(tf.obj.get("model"), dict):
             raise _refuse(tf.where, "a rank file without one 'model' state dict (virtual "
@@ -196,7 +218,13 @@ def read_legacy(store: Store, files: dict[str, int]) -> Checkpoint:
         if key in ("model", "optimizer", "rng_state"):
             continue
         _objects(b, key, value, first)
-    buckets, claimed = 0, set()
+    beside = {f"{tf.rel.rsplit('/', 1)[0]}/{DISTRIB_OPTIM}" for tf in loaded.values()}
+    stray = sorted(f for f in files if f.rsplit("/", 1)[-1] == DISTRIB_OPTIM and f not in beside)
+    if stray:
+        raise FormatError(store.display(stray[0]), f"{DISTRIB_OPTIM} without a rank file "
+                          "beside it")
+    buckets = 0
+    expected = distrib_optim_expected(files, argv, [tf.obj for tf in loaded.values()])
     for (t, p), tf in loaded.items():
         tag = f"mp_rank_{t:02d}_{p:03d}" if pp > 1 else f"mp_rank_{t:02d}"
         for key in ("optimizer", "rng_state"):
@@ -204,12 +232,12 @@ def read_legacy(store: Store, files: dict[str, int]) -> Checkpoint:
                 _objects(b, f"{key}.{tag}", tf.obj[key], tf)
         rel = f"{tf.rel.rsplit('/', 1)[0]}/{DISTRIB_OPTIM}"
         if rel in files:
-            buckets += _distrib_optim(b, f"distrib_optim.{tag}", store, rel, files[rel])
-            claimed.add(rel)
-    stray = sorted(f for f in files if f.rsplit("/", 1)[-1] == DISTRIB_OPTIM and f not in claimed)
-    if stray:
-        raise FormatError(store.display(stray[0]), f"{DISTRIB_OPTIM} without a rank file "
-                          "beside it")
+            buckets += _distrib_optim(b, f"distrib_optim.{tag}", store, rel, files[rel],
+                                      _param_numel(tf))
+        elif expected:
+            raise FormatError(store.display(rel), f"missing ({expected}: every rank keeps "
+                              "its share of the distributed optimizer's state in its own)",
+                              code=ProblemCode.MISSING_FILE)
     vocab = argv.get("vocab_size")
     notes = ck.info.setdefault("notes", [])
     notes.append(f"merged from TP {tp} x PP {pp} rank files by the GPT rules "
@@ -235,15 +263,63 @@ def read_legacy(store: Store, files: dict[str, int]) -> Checkpoint:
     return ck
 
 
+def _check_degrees(where: str, loaded: dict, tp: int, pp: int) -> None:
+    """The rank folders against the parallel degrees the rank files' ``args`` record
+    (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``): a whole rank
+    folder gone leaves a smaller grid that would read as a checkpoint of its own."""
+    tf = loaded[(0, 0)]
+    args = tf.obj.get("args") if isinstance(tf.obj, dict) else None
+    argv = vars(args) if args is not None and hasattr(args, "__dict__") else {}
+    want = (argv.get("tensor_model_parallel_size"), argv.get("pipeline_model_parallel_size"))
+    if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in want):
+        return  # no degrees recorded: the folder names are all there is
+    if want != (tp, pp):
+        missing = [posixpath.dirname(rank_file(a, c, want[1])) for a in range(want[0])
+                   for c in range(want[1]) if (a, c) not in loaded]
+        raise FormatError(where, f"{tf.rel}'s args say TP {want[0]} x PP {want[1]}, the "
+                          f"folder holds TP {tp} x PP {pp}: rank files missing: "
+                          f"{', '.join(missing[:4]) or '?'}", code=ProblemCode.MISSING_FILE)
+
+
+def distrib_optim_expected(files: dict[str, int], argv: dict, objs: list) -> str | None:
+    """Why each rank folder of an iteration must hold a ``distrib_optim.pt`` (any does, or
+    the run used the distributed optimizer and saved optimizer state), or None.
+
+    >>> distrib_optim_expected({"mp_rank_00/distrib_optim.pt": 9}, {}, [{}])
+    'mp_rank_00/distrib_optim.pt is there'
+    >>> distrib_optim_expected({}, {"use_distributed_optimizer": True}, [{"optimizer": {}}])
+    'args.use_distributed_optimizer is set and the rank files hold optimizer state'
+    >>> distrib_optim_expected({}, {"use_distributed_optimizer": True}, [{}]) is None
+    True
+    """
+    have = sorted(f for f in files if f.endswith("/" + DISTRIB_OPTIM)
+                  and rank_of(posixpath.dirname(f) + "/model_optim_rng.pt"))
+    if have:
+        return f"{have[0]} is there"
+    if argv.get("use_distributed_optimizer") is True and any(
+            isinstance(o, dict) and o.get("optimizer") is not None for o in objs):
+        return "args.use_distributed_optimizer is set and the rank files hold optimizer state"
+    return None
+
+
+def _param_numel(tf) -> int:
+    """Elements of the tensors of one rank file's ``model``: what its share of the
+    distributed optimizer's buffers can hold at most (frozen parameters have none)."""
+    return sum(v.numel for v in tf.obj["model"].values() if isinstance(v, StoredTensor))
+
+
 DISTRIB_REASON = ("Megatron's distributed-optimizer buckets, whose parameter order the "
                   "checkpoint does not record; leave them out with --only model or "
                   "--drop 'distrib_optim.*'")
 
 
-def _distrib_optim(b: EntryBuilder, name: str, store: Store, rel: str, size: int) -> int:
+def _distrib_optim(b: EntryBuilder, name: str, store: Store, rel: str, size: int,
+                   limit: int) -> int:
     """Check ``rel`` is a ``distrib_optim.pt`` (``{"buckets_coalesced": True, <buffer>:
-    {<dtype>: {"param", "exp_avg", ...: flat tensor, "numel_unpadded": int}}}``) and add it
-    as one opaque object; returns its element count (per state key)."""
+    {<dtype>: {"param", "exp_avg", ...: flat tensor, "numel_unpadded": int}}}``) whose
+    ``numel_unpadded`` fit its flat tensors and, summed, the ``limit`` elements of its
+    rank's parameters; add it as one opaque object; returns its element count (per state
+    key)."""
     tf = TorchFile(store, rel, size, GLOBALS)
     obj = tf.obj
     if not isinstance(obj, dict) or obj.get("buckets_coalesced") is not True:
@@ -258,15 +334,32 @@ def _distrib_optim(b: EntryBuilder, name: str, store: Store, rel: str, size: int
             raise FormatError(tf.where, f"distributed-optimizer buffer {key!r} is not "
                               "{dtype: tensors}")
         for state in per_dtype.values():
-            n = state.get("numel_unpadded") if isinstance(state, dict) else None
-            if not isinstance(n, int) or not isinstance(state.get("param"), StoredTensor):
-                raise FormatError(tf.where, f"distributed-optimizer buffer {key}: no flat "
-                                  "param tensor and numel_unpadded")
-            numel += n
+            numel += _bucket_numel(tf.where, key, state)
+    if numel > limit:
+        raise FormatError(tf.where, f"numel_unpadded sums to {numel:,} elements, the rank's "
+                          f"parameters hold {limit:,}")
     b.name_free(name, tf.where)
     b.ck.objects[name] = ObjectEntry(name, Extent(rel, 0, 0, OPAQUE), type_name=DISTRIB_OPTIM)
     b.ck.info["zip_files"].append(rel)  # verify --level full checks its CRCs
     return numel
+
+
+def _bucket_numel(where: str, key, state) -> int:
+    """One buffer's ``numel_unpadded``, bounded by its flat tensors: the ``param`` buffer
+    holds at least that many elements, each other state (``exp_avg``...) as many as it."""
+    n = state.get("numel_unpadded") if isinstance(state, dict) else None
+    param = state.get("param") if isinstance(state, dict) else None
+    if not isinstance(n, int) or isinstance(n, bool) or not isinstance(param, StoredTensor):
+        raise FormatError(where, f"distributed-optimizer buffer {key}: no flat param tensor "
+                          "and numel_unpadded")
+    if not 0 <= n <= param.numel:
+        raise UnsafeInputError(where, f"distributed-optimizer buffer {key}: numel_unpadded "
+                               f"{n:,} does not fit its param buffer of {param.numel:,} elements")
+    for k, v in state.items():
+        if isinstance(v, StoredTensor) and v.numel != param.numel:
+            raise FormatError(where, f"distributed-optimizer buffer {key}: {k} holds "
+                              f"{v.numel:,} elements, param {param.numel:,}")
+    return n
 
 
 def _objects(b: EntryBuilder, prefix: str, value, tf) -> None:

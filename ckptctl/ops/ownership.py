@@ -4,7 +4,8 @@ removes, replaces or copies checkpoints (``ls``, ``latest``, ``verify``, ``gc``,
 
 * **Owned files** (:func:`split_owned`): what the checkpoint's format names (DCP
   ``.metadata`` and ``*.distcp``; safetensors files and their index; torch.save files; a
-  pack's index and data files), what its manifest lists, the JSON and tokenizer side
+  pack's index and data files; below the top, what a framework's layout names:
+  :func:`layout_files`), what its manifest lists, the JSON and tokenizer side
   files at the top of a model folder (one with safetensors or torch.save files), and
   ckptctl's own markers (manifest, writing marker, pin, references) with the temporary
   names of their writes. Anything else (``NOTES.md``, ``eval/results.json``)
@@ -56,6 +57,22 @@ def is_control_temp(rel: str) -> bool:
     return _CONTROL_TEMP.match(rel) is not None
 
 
+def layout_files(files: dict[str, int]) -> set[str]:
+    """The files below a checkpoint folder's top that its format's layout names, from the
+    listing ``files``: a DeepSpeed universal checkpoint's ``zero/<param>/<state>.pt`` and
+    ``zero/optimizer_state.pt``, a Megatron legacy iteration's
+    ``mp_rank_TT[_PPP]/model_optim_rng.pt`` and the ``distrib_optim.pt`` beside each.
+
+    >>> sorted(layout_files({"zero/w/fp32.pt": 8, "zero/w/notes.txt": 1,
+    ...                      "mp_rank_00/model_optim_rng.pt": 9, "NOTES.md": 1}))
+    ['mp_rank_00/model_optim_rng.pt', 'zero/w/fp32.pt']
+    """
+    from ..formats.deepspeed import universal_files
+    from ..formats.megatron_legacy import legacy_files
+
+    return universal_files(files) | legacy_files(files)
+
+
 def split_owned(files: dict[str, int], manifest: Manifest | None = None, *,
                 single: str | None = None) -> tuple[dict[str, int], list[str]]:
     """``(owned, foreign)``: the files of one checkpoint folder (``files``, relative to it)
@@ -72,6 +89,7 @@ def split_owned(files: dict[str, int], manifest: Manifest | None = None, *,
     if single is not None:
         return {single: files[single]} if single in files else {}, []
     listed = set(manifest.files) if manifest is not None else set()
+    listed |= layout_files(files)
     model_folder = any("/" not in rel and rel.endswith((".safetensors", ".pt", ".pth", ".bin",
                                                          ".ckpt")) for rel in files)
     owned, foreign = {}, []
@@ -216,7 +234,8 @@ def why_not_replace(store, files: dict[str, int],
     """Why ``--force`` may not replace the folder at ``store`` (its listing ``files``), or
     None when it may: it holds an unfinished ckptctl write (its writing marker), or one
     checkpoint that is not pinned, not the base of a delta pack, and holds nothing but
-    its own files. Never a folder of several checkpoints or of someone else's files.
+    its own files. Never a folder of several checkpoints or of someone else's files, and
+    never a pinned one or a pack's base, even beside a writing marker (a stale one).
 
     >>> why_not_replace(None, {"step-1/.metadata": 1, "step-2/.metadata": 1})
     'it holds 2 checkpoints (step-1, step-2), not one'
@@ -226,6 +245,8 @@ def why_not_replace(store, files: dict[str, int],
     True
     >>> why_not_replace(None, {"..ckptctl-writing.x1y2.tmp": 0}) is None  # killed mid-marker
     True
+    >>> why_not_replace(None, {".ckptctl-writing": 1, ".ckptctl-pinned": 1, ".metadata": 1})
+    'it holds a pinned checkpoint (ckptctl unpin it first)'
     """
     from ..formats.detect import group_checkpoints
     from ..formats.manifest import PIN_FILE
@@ -246,19 +267,69 @@ def why_not_replace(store, files: dict[str, int],
     foreign = split_owned(files, man)[1]
     if foreign:
         return f"it holds files that are not a checkpoint's ({foreign_list(foreign, 3)})"
-    if WRITING_MARKER in files or all(is_temp_name(f) for f in files):
-        return None  # an unfinished ckptctl write (or its marker's, killed): what --force is for
-    if not groups:
-        return "it holds no checkpoint"
+    # a pin, and packs on a manifest still there, count even beside a writing marker (a
+    # stale one: a killed promote, rm or seal)
     if PIN_FILE in files:
         return "it holds a pinned checkpoint (ckptctl unpin it first)"
     if man is not None and store is not None:
         deps = packs_needing(store.url, store, files, man.checkpoint_id, storage_options)
         if deps:
             return (f"it holds the base of {len(deps)} delta pack(s) ({foreign_list(deps, 3)})")
+    if WRITING_MARKER in files or all(is_temp_name(f) for f in files):
+        return None  # an unfinished ckptctl write (or its marker's, killed): what --force is for
+    if not groups:
+        return "it holds no checkpoint"
     return None
 
 
-__all__ = ["SIDE_FILES", "split_owned", "refuse_foreign", "foreign_list", "is_control_temp",
+#: What to do instead, by verb, when delta packs still need the checkpoint.
+_INSTEAD = {"remove": "remove those first",
+            "reseal": "seal --update would give it a new id, which they do not name; "
+                      "restore them first (ckptctl promote --unpack), or seal a copy"}
+
+
+def check_removable(url: str, store: Store | None, files: dict[str, int],
+                    manifest: Manifest | None, *, doing: str = "remove",
+                    single: str | None = None, storage_options: dict | None = None,
+                    dependants: bool = True, algo: str | None = None,
+                    instead: str | None = None) -> dict[str, int]:
+    """The one check in front of every verb that deletes a checkpoint (``rm``, ``promote
+    --delete-source``) or re-seals it (``seal --update``; ``doing="reseal"``): its owned
+    files, or :class:`~ckptctl.errors.Finding` (exit 1) naming the files that are not its
+    own (``FOREIGN_FILES``, :func:`refuse_foreign`) or the delta packs that need it as
+    their base (``HAS_DEPENDANTS``, :func:`packs_needing`; not with ``dependants=False``,
+    ``rm --orphan-dependants``). ``instead``: what the message says to do about the packs.
+
+    A reseal adopts the files its manifest lacks (they are not refused), and strands
+    packs only when it changes the files table (files added, or ``algo`` another
+    hash than the manifest's): that is a new id, which the packs do not name.
+
+    >>> check_removable("run/step-10", None, {".metadata": 1, "NOTES.md": 3}, None)
+    Traceback (most recent call last):
+    ckptctl.errors.Finding: run/step-10: holds files that are not the checkpoint's (NOTES.md); move them away before you remove it
+    >>> check_removable("run/step-10", None, {".metadata": 1, "__0_0.distcp": 8}, None)
+    {'.metadata': 1, '__0_0.distcp': 8}
+    """
+    if doing == "reseal":
+        owned = split_owned(files, manifest, single=single)[0]
+        added = manifest is not None and any(
+            rel not in manifest.files and not is_control_file(rel) and not is_temp_name(rel)
+            for rel in files)
+        if not added and (manifest is None or algo in (None, manifest.hash)):
+            return owned  # the same files table, the same id: no pack loses its base
+    else:
+        owned = refuse_foreign(url, files, manifest, single=single, doing=doing)
+    if manifest is None or not dependants:
+        return owned
+    deps = packs_needing(url, store, files, manifest.checkpoint_id, storage_options)
+    if deps:
+        raise Finding(url, f"the base of {len(deps)} delta pack(s) that could not be "
+                      f"restored without it ({foreign_list(deps)}); "
+                      f"{instead or _INSTEAD.get(doing, _INSTEAD['remove'])}",
+                      code="HAS_DEPENDANTS")
+    return owned
+
+
+__all__ = ["SIDE_FILES", "layout_files", "split_owned", "refuse_foreign", "foreign_list", "is_control_temp",
            "needed_by_name", "record_dependant", "external_dependants", "packs_needing",
-           "why_not_replace"]
+           "why_not_replace", "check_removable"]

@@ -30,7 +30,7 @@ import posixpath
 import struct
 
 from ..errors import UsageError
-from ..formats.deepspeed import CLIENT
+from ..formats.deepspeed import CLIENT, is_param_name, universal_tree
 from ..formats.locate import LATEST_UNIVERSAL
 from ..model import Checkpoint
 from ..storage import HashingWriter, open_store
@@ -62,7 +62,7 @@ def universal_layout(ck: Checkpoint, tensors: list[str], objects: list[str]) -> 
         raise UsageError("two model entries map to one DeepSpeed parameter name")
     files: dict[str, tuple[str, str, bool]] = {}
     for p, n in params.items():
-        if "/" in p or p in ("", ".", "..") or p == "optimizer_state.pt":
+        if not is_param_name(p) or p == "optimizer_state.pt":
             raise UsageError(f"{n}: not a name a universal checkpoint folder can hold")
         d = ck.tensors[n].dtype
         out = "float32" if d.name in ("bfloat16", "float16") else d.name
@@ -108,8 +108,39 @@ def universal_layout(ck: Checkpoint, tensors: list[str], objects: list[str]) -> 
             raise UsageError(f"{n}: optimizer entry a universal checkpoint has no place for")
         else:
             client[n] = n
+    _same_states(files)
     return {"files": files, "params": params, "steps": steps, "groups": groups,
             "client": client}
+
+
+def _same_states(files: dict) -> None:
+    """Every parameter with optimizer state has the same state files as the others (the
+    universal reader, and DeepSpeed's loader, want each of them for each parameter); one
+    without any (frozen, a buffer) has its ``fp32.pt`` alone.
+
+    >>> _same_states({"zero/a/fp32.pt": 0, "zero/a/exp_avg.pt": 0, "zero/b/fp32.pt": 0})
+    >>> _same_states({"zero/a/fp32.pt": 0, "zero/a/0.pt": 0})
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: zero/a/0.pt: not a file a universal checkpoint holds (zero/<param>/<state>.pt)
+    >>> _same_states({"zero/a/exp_avg.pt": 0, "zero/a/exp_avg_sq.pt": 0, "zero/b/exp_avg.pt": 0})
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: optim.state.b.exp_avg_sq: missing, though other parameters have theirs (a universal checkpoint holds the same states for each)
+    """
+    extra = universal_tree(dict.fromkeys(files, 0))[1]
+    if extra:  # a state key that is no file name (optim.state.w.0)
+        raise UsageError(f"{extra[0]}: not a file a universal checkpoint holds "
+                         "(zero/<param>/<state>.pt)")
+    keys: dict[str, set] = {}
+    for rel in files:
+        _, p, state = rel.split("/")
+        if state != "fp32.pt":
+            keys.setdefault(p, set()).add(state[:-len(".pt")])
+    every = set().union(*keys.values()) if keys else set()
+    for p in sorted(keys):
+        if keys[p] != every:
+            raise UsageError(f"optim.state.{p}.{sorted(every - keys[p])[0]}: missing, though "
+                             "other parameters have theirs (a universal checkpoint holds the "
+                             "same states for each)")
 
 
 def _value(ck: Checkpoint, name: str):
