@@ -6,6 +6,17 @@ hashes its own files and hands the hashes to the coordinator inside the write re
 DCP gathers; there, right after ``.metadata``, the ckptctl manifest is committed
 (:func:`~ckptctl.ops.commit.commit`), the same one ``ckptctl seal`` would write.
 
+Nothing ``seal`` would refuse is sealed: each rank scans the object entries it writes
+with the safe-pickle scan ``seal`` and ``verify`` make
+(:func:`~ckptctl.formats.tensorio.scan_object`) from the bytes in memory, and a refusal
+travels to the coordinator like a hash; there the save is finished as torch finishes it
+(``.metadata``: a checkpoint torch loads) but no manifest is written, and ``dcp.save``
+raises (a Finding, ``UNSAFE_INPUT``, inside torch's ``CheckpointException``). Shard
+files of an older save in the same folder that the new ``.metadata`` does not name
+(``__3_0.distcp`` after a save on fewer ranks) are removed before the commit: they are
+DCP's own files, of a checkpoint the new save replaced, and ``verify`` would call the
+sealed folder's extra files a problem.
+
 >>> import torch, torch.distributed.checkpoint as dcp          # doctest: +SKIP
 >>> dcp.save({"w": torch.ones(4)}, storage_writer=SealingWriter("ckpt/step-10"))  # doctest: +SKIP
 >>> SealingWriter("s3://bucket/run/step-20", storage_options={"anon": False})      # doctest: +SKIP
@@ -13,6 +24,7 @@ DCP gathers; there, right after ``.metadata``, the ckptctl manifest is committed
 from __future__ import annotations
 
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
@@ -23,9 +35,10 @@ require_torch("ckptctl.dcp")
 from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
 from torch.distributed.checkpoint.filesystem import FileSystem as LocalFileSystem  # noqa: E402
 from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: E402
+from torch.distributed.checkpoint.planner import WriteItemType  # noqa: E402
 from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
 
-from .errors import UsageError  # noqa: E402
+from .errors import CkptError, Finding, UnsafeInputError, UsageError  # noqa: E402
 from .formats.detect import open_checkpoint  # noqa: E402
 from .formats.manifest import MANIFEST  # noqa: E402
 from .ops.commit import commit, manifest_for  # noqa: E402
@@ -34,6 +47,11 @@ from .storage import HashingWriter, normalize_algo, open_store  # noqa: E402
 #: The fqn prefix of the extra write results that carry one file's (digest, size) from
 #: its rank to the coordinator; ``finish`` takes them out before ``.metadata`` is written.
 HASH_TAG = "\x00ckptctl-file-hash:"
+#: Likewise for an object entry the safe-pickle scan refused: its fqn, and why.
+REFUSED_TAG = "\x00ckptctl-refused:"
+#: The names DCP gives its shard files (``__{rank}_{n}.distcp``): the only files of an
+#: older save a re-save removes.
+_SHARD = re.compile(r"^__\d+_\d+\.distcp$")
 
 
 #: A buffer at least this large is hashed on a helper thread while it is being written
@@ -127,6 +145,55 @@ class HashingFileSystem:
             self.hashes[os.fspath(new_path)] = got
 
 
+def refusal(fqn: str, data: bytes) -> str | None:
+    """Why ``seal`` would refuse the object entry ``fqn`` whose ``torch.save`` bytes DCP
+    writes are ``data`` (the scan of :func:`~ckptctl.formats.tensorio.scan_object`, on the
+    bytes in memory), or None when it passes.
+
+    >>> import io, torch
+    >>> b = io.BytesIO(); torch.save({"lr": 0.1}, b); refusal("optim.x", b.getvalue()) is None
+    True
+    >>> b = io.BytesIO(); torch.save(os.system, b); refusal("optim.x", b.getvalue())
+    "object entry 'optim.x' names posix.system (the safe loader refuses it)"
+    """
+    from types import SimpleNamespace
+
+    from .formats.tensorio import scan_object
+    from .model import Extent, ObjectEntry
+
+    here = SimpleNamespace(store=SimpleNamespace(display=lambda rel: fqn))
+    try:
+        scan_object(here, ObjectEntry(fqn, Extent(fqn, 0, len(data), "torch_zip")),
+                    zipped=data)
+    except UnsafeInputError as e:
+        what = f"names {e.global_name}" if getattr(e, "global_name", None) else e.message
+        return f"object entry {fqn!r} {what} (the safe loader refuses it)"
+    except CkptError as e:  # not a torch.save zip: what verify calls MALFORMED_CHUNK
+        return f"object entry {fqn!r}: {e.message}"
+    return None
+
+
+class _Scanning:
+    """The planner DCP resolves write items through, with every object entry it hands
+    out scanned by :func:`refusal` (from DCP's writer threads); ``refused``: (fqn, why)."""
+
+    def __init__(self, inner, refused: list[tuple[str, str]]):
+        self._inner, self._refused = inner, refused
+
+    def __getattr__(self, name):
+        if name in ("_inner", "_refused"):  # not set yet (a copy being made)
+            raise AttributeError(name)
+        return getattr(self._inner, name)
+
+    def resolve_data(self, item):
+        data = self._inner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            why = refusal(item.index.fqn, data.getvalue())
+            if why is not None:
+                self._refused.append((item.index.fqn, why))
+        return data
+
+
 class SealingWriter(FileSystemWriter):
     """``FileSystemWriter`` that commits ``ckptctl.manifest.json`` right after DCP's
     ``.metadata``: the checkpoint is sealed when ``dcp.save`` returns (or an
@@ -137,7 +204,9 @@ class SealingWriter(FileSystemWriter):
     else the folder's name), ``tags`` and ``hash`` are the manifest's. Other keyword
     arguments are ``FileSystemWriter``'s. A manifest (and ``.metadata``) already in the
     folder is removed before any data is written, so a save that fails leaves nothing
-    that looks sealed.
+    that looks sealed. An object entry the safe loader refuses is never sealed (the save
+    ends unsealed and raises); an older save's shard files the new one does not name
+    are removed before the commit (see the module docstring).
 
     >>> import torch, torch.distributed.checkpoint as dcp          # doctest: +SKIP
     >>> w = SealingWriter("ckpt/step-10", tags=["nightly"])        # doctest: +SKIP
@@ -194,24 +263,35 @@ class SealingWriter(FileSystemWriter):
         return super().prepare_global_plan(plans)
 
     def write_data(self, plan, planner):
-        fut = super().write_data(plan, planner)  # a done future: torch wrote in this call
+        refused: list[tuple[str, str]] = []
+        # a done future: torch wrote in this call
+        fut = super().write_data(plan, _Scanning(planner, refused))
         prefix = plan.storage_data.prefix
         mine = [full for full in self.fs.hashes if self._rel(full).startswith(prefix)]
         fut.value().extend(
             WriteResult(index=MetadataIndex(HASH_TAG + self._rel(full)), size_in_bytes=size,
                         storage_data=digest)
             for full, (digest, size) in ((f, self.fs.hashes.pop(f)) for f in mine))
+        fut.value().extend(WriteResult(index=MetadataIndex(REFUSED_TAG + fqn), size_in_bytes=0,
+                                       storage_data=why) for fqn, why in sorted(refused))
         return fut
 
     def finish(self, metadata, results) -> None:
-        hashes = {}
+        hashes, refused = {}, []
         kept = []
         for rank_results in results:
-            kept.append([r for r in rank_results if not _is_hash(r)])
+            kept.append([r for r in rank_results if not _is_ours(r)])
             hashes.update({r.index.fqn[len(HASH_TAG):]: (r.storage_data, r.size_in_bytes)
                            for r in rank_results if _is_hash(r)})
+            refused += [r.storage_data for r in rank_results if _is_ours(r, REFUSED_TAG)]
         super().finish(metadata, kept)
         hashes[".metadata"] = self.fs.hashes.pop(self._full(".metadata"))
+        store = open_store(self.url, self.storage_options)
+        _remove_stale_shards(store, hashes)
+        if refused:
+            more = f" (+{len(refused) - 1} more)" if len(refused) > 1 else ""
+            raise Finding(self.url, f"saved, not sealed: {sorted(refused)[0]}{more}; "
+                          "`ckptctl seal` refuses it too", code="UNSAFE_INPUT")
         self.manifest_id = self._commit(hashes)
 
     def _commit(self, hashes: dict[str, tuple[str, int]]) -> str:
@@ -232,5 +312,31 @@ class SealingWriter(FileSystemWriter):
         return full[len(os.fspath(self.path)):].lstrip("/")
 
 
+def _is_ours(r, tag: str | None = None) -> bool:
+    """Is write result ``r`` one of ours (``tag``: of that kind), not DCP's?"""
+    fqn = r.index.fqn
+    return isinstance(fqn, str) and (fqn.startswith(tag) if tag else
+                                     fqn.startswith((HASH_TAG, REFUSED_TAG)))
+
+
 def _is_hash(r) -> bool:
-    return isinstance(r.index.fqn, str) and r.index.fqn.startswith(HASH_TAG)
+    return _is_ours(r, HASH_TAG)
+
+
+def _remove_stale_shards(store, hashes: dict) -> list[str]:
+    """Remove the shard files (DCP's own names, top level) that this save did not write
+    (``hashes``: the files it wrote): an older save's, on more ranks or threads, which the
+    new ``.metadata`` does not name. One listing; returns what went.
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> for n in ("__0_0.distcp", "__3_0.distcp", "notes__1_0.distcp", "x.txt"):
+    ...     _ = (d / n).write_bytes(b"x")
+    >>> _remove_stale_shards(open_store(str(d)), {"__0_0.distcp": ("h", 1)})
+    ['__3_0.distcp']
+    """
+    stale = sorted(rel for rel in store.list_files(recursive=False)
+                   if _SHARD.match(rel) and rel not in hashes)
+    if stale:
+        store.remove_many(stale)
+    return stale

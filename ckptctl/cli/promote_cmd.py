@@ -60,7 +60,8 @@ def promote(
     read-only SRC is left untouched); an incomplete one is refused (exit 1). A delta pack
     never lands where its base is not: to a plain place it is restored, to a pack place it
     is copied only if DST reaches its base, else packed again. --delete-source keeps a
-    SRC the copy still needs.
+    SRC the copy still needs, and one rm would keep (a user's file in it, the base of a
+    pack): the copy stays committed, exit 1.
     Files go in parallel, large ones in parallel parts, under one --bwlimit. Each file is
     published at DST only once its bytes match SRC's manifest, and DST is committed (POSIX:
     a hidden folder renamed into place; S3: the manifest as the last object) only after a

@@ -21,7 +21,10 @@ resumable, and committed last.
    ``~/.cache/ckptctl/promote`` for a remote one). ``dry_run`` says what a rerun would
    still send.
 5. ``delete_source`` removes the source only after the destination is committed and
-   checked, its commit markers first, and only when the copy restores without it.
+   checked, its commit markers first, and only when the copy restores without it and
+   the source passes the check ``rm`` makes (no file that is not the checkpoint's, no
+   pack beside it or elsewhere made against it); else the copy stays committed and the
+   source is kept, with a Finding (exit 1) that says why.
 6. A delta pack never lands where its base is not: to a plain place it is restored
    (unpacked, its base chain read from where the pack records it); to a pack place it is
    copied as it is only when its base is reachable from there, else packed again against
@@ -278,7 +281,8 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     pack, with no base at all). Packing and unpacking run through the pack writer: not
     rate-limited, and a rerun after a crash starts that checkpoint afresh.
     ``delete_source`` never removes a source that the copy still needs (a pack against
-    it) or a copy that cannot be restored (Finding, exit 1; the copy stays).
+    it) or a copy that cannot be restored, nor a source that ``rm`` would keep: one
+    holding a user's file, or the base of another pack (Finding, exit 1; the copy stays).
 
     ``seal_source``: for an unsealed source, True seals it first (a source that cannot
     take the write fails), False never writes into it, None (default) seals it when it
@@ -348,13 +352,14 @@ def promote(src: str, dst: str, src_options: dict | None = None,
         if WRITING_MARKER in present and not dry_run:  # killed after the commit: finish it
             d.final.remove(WRITING_MARKER)
         if delete_source and not dry_run:
-            result.deleted_source = _delete_source(sstore, sfiles, d.final, dst_options)
+            result.deleted_source = _delete_source(sstore, sfiles, man, d.final, dst_options,
+                                                   src_options)
         result.seconds = round(time.monotonic() - t0, 3)
         return result
     if state == "resume" and d.local and MANIFEST in present and not dry_run:
         _check_landed(d.work, man)  # killed between sealing the work folder and its rename
         d._publish()
-        return _finish(result, sstore, sfiles, d, delete_source, t0)
+        return _finish(result, sstore, sfiles, d, delete_source, t0, src_options)
     header = {"source": man.id}
     # a dry run reads what a killed run recorded, and writes nothing
     journal = (Journal.peek(d.journal_path(), header) if dry_run and state == "resume"
@@ -399,7 +404,7 @@ def promote(src: str, dst: str, src_options: dict | None = None,
         t.close()
         journal.close()
     result.to_send, result.bytes_to_send = [], 0
-    return _finish(result, sstore, sfiles, d, delete_source, t0)
+    return _finish(result, sstore, sfiles, d, delete_source, t0, src_options)
 
 
 def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwlimit, workers,
@@ -539,13 +544,14 @@ def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwli
         if r0:
             t.close()
             journal.close()
-    return _finish(result, sstore, sfiles, d, delete_source, t0)
+    return _finish(result, sstore, sfiles, d, delete_source, t0, src_options)
 
 
 def _finish(result: PromoteResult, sstore: Store, sfiles: dict[str, int], d: "_Destination",
-            delete_source: bool, t0: float) -> PromoteResult:
+            delete_source: bool, t0: float, src_options: dict | None = None) -> PromoteResult:
     if delete_source:
-        result.deleted_source = _delete_source(sstore, sfiles, d.final, d.options)
+        result.deleted_source = _delete_source(sstore, sfiles, d.man, d.final, d.options,
+                                               src_options)
     result.requests = {"source": _requests(sstore), "destination": _requests(d.work)}
     result.seconds = round(time.monotonic() - t0, 3)
     return result
@@ -576,7 +582,8 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
                 and WRITING_MARKER not in present:
             result.action = "up-to-date"
             if delete_source and not dry_run:
-                result.deleted_source = _delete_source(sstore, sfiles, final, dst_options)
+                result.deleted_source = _delete_source(sstore, sfiles, man, final, dst_options,
+                                                       src_options)
             result.seconds = round(time.monotonic() - t0, 3)
             return result
         raise Finding(final.url, f"destination holds another checkpoint ({there.checkpoint_id}); "
@@ -630,7 +637,7 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
     result.files_sent = r.num_files
     result.num_files = r.num_files
     return _finish(result, sstore, sfiles, _Destination(dst, dst_options, man, want),
-                   delete_source, t0)
+                   delete_source, t0, src_options)
 
 
 def _newest_beside(final: Store, dst: str, options: dict | None) -> tuple[str | None, tuple]:
@@ -724,13 +731,25 @@ def _check_landed(work: Store, man: Manifest) -> None:
                           "nothing was committed, rerun to resume", code="SIZE_MISMATCH")
 
 
-def _delete_source(store: Store, files: dict[str, int], final: Store,
-                   dst_options: dict | None) -> bool:
-    """``--delete-source``: remove the source once the copy at ``final`` restores on its
-    own, i.e. is no delta pack whose base chain is missing or runs through the source."""
+def _delete_source(store: Store, files: dict[str, int], man: Manifest, final: Store,
+                   dst_options: dict | None, src_options: dict | None = None) -> bool:
+    """``--delete-source``: remove the source (``files``: its listing, ``man``: the
+    manifest the copy was made to) once the copy at ``final`` restores on its own (no
+    delta pack whose base chain is missing or runs through the source) and the source
+    passes the check ``rm`` makes (:func:`~.ownership.check_removable`): it holds no file
+    that is not the checkpoint's and is no base of a pack beside it or elsewhere.
+    Either refusal comes after the copy committed: a Finding (exit 1) that says the copy
+    is there and the source was kept, and why; a rerun once the cause is gone finds the
+    copy up to date and removes the source."""
+    from .ownership import check_removable
     from .remove import remove_checkpoint
 
     _restores_without(final, dst_options, store)
+    try:
+        check_removable(store.url, store, files, man, storage_options=src_options)
+    except Finding as e:
+        raise Finding(e.path, f"the copy at {final.url} is committed; kept the source: "
+                      f"{e.message}", code=e.code) from None
     remove_checkpoint(store, files)
     return True
 

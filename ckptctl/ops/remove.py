@@ -25,7 +25,7 @@ from ..errors import CkptError, Finding, StorageError, UsageError
 from ..formats.dcp import METADATA
 from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest
 from ..storage import Store
-from .ownership import foreign_list, packs_needing, refuse_foreign
+from .ownership import check_removable
 
 #: Files whose presence makes a folder look committed, most authoritative first.
 COMMIT_MARKERS = (MANIFEST, METADATA, "model.safetensors.index.json")
@@ -153,7 +153,8 @@ def remove(url: str, storage_options: dict | None = None, *, force: bool = False
     run's root, is refused (exit 2) before anything is deleted. So is (exit 1) a folder
     holding files that are not the checkpoint's (``FOREIGN_FILES``), and the base of delta
     packs that still need it (``HAS_DEPENDANTS``: packs beside it in its root, or
-    elsewhere through the references they left) unless ``orphan_dependants``.
+    elsewhere through the references they left) unless ``orphan_dependants``: the check
+    every deleter makes (:func:`~.ownership.check_removable`).
 
     >>> import tempfile, pathlib
     >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "step-1").mkdir()
@@ -179,11 +180,7 @@ def remove(url: str, storage_options: dict | None = None, *, force: bool = False
             raise
         except CkptError:  # unreadable: no id, so nothing can depend on it
             man = None
-    refuse_foreign(store.url, files, man, single=single)
-    if man is not None and not orphan_dependants:
-        deps = packs_needing(url, store, files, man.checkpoint_id, storage_options)
-        if deps:
-            raise Finding(store.url, f"the base of {len(deps)} delta pack(s) that could not be "
-                          f"restored without it ({foreign_list(deps)}); remove those first, "
-                          "or pass --orphan-dependants", code="HAS_DEPENDANTS")
+    check_removable(store.url, store, files, man, single=single, storage_options=storage_options,
+                    dependants=not orphan_dependants,
+                    instead="remove those first, or pass --orphan-dependants")
     return remove_checkpoint(store, files, single=single, force_pinned=force)

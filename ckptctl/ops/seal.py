@@ -120,6 +120,10 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
                               round(time.monotonic() - t0, 3), problems=list(r.problems),
                               tags=sorted(doc.tags))
         algo, step, tags, known = old
+        from .ownership import check_removable  # a new id strands the packs made on it
+
+        check_removable(url, store, files, doc, doing="reseal", algo=algo,
+                        storage_options=storage_options)
         already = doc.total_bytes  # verify read them
         replaces = doc.id
     else:
