@@ -21,6 +21,17 @@ MAX_METADATA_BYTES = 1 << 30
 #: Largest tensor we agree to describe: 2**50 bytes (1 PiB).
 MAX_TENSOR_BYTES = 1 << 50
 MAX_NDIM = 64
+#: Deepest nesting of containers a reader walks; real state dicts nest fewer than 10 levels.
+MAX_NEST_DEPTH = 256
+#: Most nodes a walk of one unpickled object may reach *again* through shared references
+#: (a dict or list named a second time, counted with all it holds). Everything else a walk
+#: visits is paid for by bytes of the file (a pickle builds an object or two per opcode),
+#: but a memo reference costs two bytes and can double a walk per level: a 1.8 KB file
+#: naming one dict twice, 22 levels deep, flattens to 4M entries (issue 34). Legitimate
+#: sharing is tied weights (shared tensors are leaves: they cost one node per name) and
+#: small constants (every param group's ``betas`` tuple); 65,536 nodes (a shared tree of
+#: ~32k entries) costs the hungriest reader, ``inspect`` at ~3 KB per entry, ~100 MB.
+MAX_SHARED_NODES = 1 << 16
 
 
 def check_shape(shape, dtype, *, where: str = "") -> int:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import io
 import pickle
-from ..errors import FormatError, UnsafeInputError
+
+from ..errors import FormatError, ProblemCode, UnsafeInputError
+from .limits import MAX_NEST_DEPTH, MAX_SHARED_NODES
 
 
 class Record:
@@ -87,8 +89,123 @@ def restricted_loads(data: bytes, allowed: dict, *, where: str = "") -> object:
 
 
 def loads_primitive(data: bytes, *, where: str = "") -> object:
-    """Unpickle a pickle of plain values (numbers, strings, lists, dicts): no globals at all."""
-    return restricted_loads(data, {}, where=where)
+    """Unpickle a pickle of plain values (numbers, strings, lists, dicts): no globals at
+    all; one whose walk would expand through shared references is refused
+    (:func:`check_graph`): a caller walks what it gets (to show it, to compare it)."""
+    obj = restricted_loads(data, {}, where=where)
+    check_graph(obj, where or None)
+    return obj
+
+
+# --------------------------------------------------------------------------- object graphs
+
+class GraphBoundError(FormatError):
+    """An unpickled object whose walk would cost more than its file's bytes pay for
+    (:func:`check_graph`). A :class:`FormatError` (exit 3), not an
+    :class:`UnsafeInputError`: no reader falls back to another loader on it (torch would
+    build the same graph), nor keeps the file as an opaque object."""
+
+    default_code: str = ProblemCode.UNSAFE_INPUT
+
+
+#: What a walk descends into; anything else (a string, a number, a tensor) is a leaf.
+_CONTAINERS = (dict, list, tuple, set, frozenset, Record)
+#: Values a short sequence may hold and still cost a walk what a string does.
+_SCALARS = (int, float, complex, str, bytes, bool, type(None))
+
+
+def _like_a_leaf(v) -> bool:
+    """A short tuple or list of plain values (a shape, Adam's ``betas``): one entry
+    wherever it is named, like a string, so naming it again costs what its reference's
+    bytes pay for (Python shares such constants, and a pickle keeps the sharing).
+
+    >>> _like_a_leaf((0.9, 0.999)), _like_a_leaf([{"a": 1}]), _like_a_leaf(tuple(range(99)))
+    (True, False, False)
+    """
+    return isinstance(v, (list, tuple)) and len(v) <= 16 and all(
+        isinstance(x, _SCALARS) for x in v)
+
+
+def _kids(v) -> list:
+    if isinstance(v, dict):
+        return list(v.values())
+    if isinstance(v, Record):
+        return list(vars(v).values())
+    return list(v)
+
+
+def check_graph(obj, where: str | None = None, *, shared_limit: int = MAX_SHARED_NODES,
+                max_depth: int | None = None) -> int:
+    """How many nodes a full walk of ``obj`` visits, every reference to a shared
+    container expanded again (a flattening names each one): found without that walk,
+    each container counted once, so this costs what the pickle's bytes cost. Refuses
+    (:class:`GraphBoundError`) an object whose shared references would make a walk
+    reach more than ``shared_limit`` nodes again (:data:`~.limits.MAX_SHARED_NODES`),
+    one that contains itself, and, with ``max_depth``, non-empty containers nested that
+    deep. Dict keys are not walked (a name is a leaf).
+
+    >>> d = {"w": 1}
+    >>> for _ in range(3):
+    ...     d = {"x": d, "y": d}
+    >>> check_graph(d)  # 15 dicts and 8 leaves, as a flattening walks them
+    23
+    >>> for _ in range(20):
+    ...     d = {"x": d, "y": d}
+    >>> check_graph(d, "bomb.pt")
+    Traceback (most recent call last):
+    ckptctl.formats.safe_pickle.GraphBoundError: bomb.pt: object graph expands past 65,536 nodes through shared references (one dict or list named again and again)
+    """
+    if not isinstance(obj, _CONTAINERS) or not obj:
+        return 1
+    done: dict[int, int] = {}  # id of a walked container -> nodes its walk visits
+    open_: set[int] = set()  # containers on the current path: reaching one again is a cycle
+    stack: list[list] = []  # [container, its kids left, nodes so far]
+    shared = 0
+
+    def enter(x, depth: int) -> int | None:
+        """Nodes of a container of leaves (counted at C speed: RNG states hold long
+        lists); None after pushing any other container to walk."""
+        if max_depth is not None and depth >= max_depth:
+            raise GraphBoundError(where, f"nests too deeply (more than {max_depth} "
+                                  "levels of containers)")
+        kids = _kids(x)
+        if not any(issubclass(t, _CONTAINERS) for t in set(map(type, kids))):
+            done[id(x)] = len(kids) + 1
+            return len(kids) + 1
+        open_.add(id(x))
+        stack.append([x, iter(kids), 1])
+        return None
+
+    if (flat := enter(obj, 0)) is not None:
+        return flat
+    while stack:
+        frame = stack[-1]
+        for x in frame[1]:
+            if not isinstance(x, _CONTAINERS) or not x:  # a leaf (an empty one too)
+                frame[2] += 1
+                continue
+            n = done.get(id(x))
+            if n is not None:  # a shared reference: a walk goes through it all again
+                shared += 0 if _like_a_leaf(x) else n
+                if shared > shared_limit:
+                    raise GraphBoundError(where, f"object graph expands past "
+                                          f"{shared_limit:,} nodes through shared references "
+                                          "(one dict or list named again and again)")
+                frame[2] += n
+            elif id(x) in open_:
+                raise GraphBoundError(where, "object graph contains itself (a dict or list "
+                                      "inside its own contents)")
+            elif (n := enter(x, len(stack))) is not None:
+                frame[2] += n
+            else:
+                break  # walk x first; this frame's iterator resumes after it
+        else:
+            stack.pop()
+            open_.discard(id(frame[0]))
+            done[id(frame[0])] = frame[2]
+            if stack:
+                stack[-1][2] += frame[2]
+    return done[id(obj)]
 
 
 # --------------------------------------------------------------------------- DCP metadata

@@ -26,7 +26,8 @@ from ..boxes import flat_range_boxes
 from ..errors import FormatError, UnsafeInputError
 from ..model import DTYPES, Checkpoint, Chunk, Extent, ObjectEntry, TensorEntry
 from ..storage import Store
-from .safe_pickle import Record
+from .limits import MAX_NEST_DEPTH
+from .safe_pickle import GraphBoundError, Record, check_graph
 from .torchzip import (LOCAL_HEADER_LEN, TAIL_GUESS, StoredTensor, ZipEntry, StorageRef,
                        StorageType, tensor_globals, central_directory, local_data_offset)
 
@@ -134,7 +135,7 @@ class TorchFile:
                 return StorageRef(pid[1].dtype, pid[2], pid[4])
 
         try:
-            return _Unpickler(io.BytesIO(data), allowed).load()
+            obj = _Unpickler(io.BytesIO(data), allowed).load()
         except UnsafeInputError as e:
             raise UnsafeInputError(where, e.message) from None
         except FormatError:
@@ -146,6 +147,9 @@ class TorchFile:
         except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
             kind = "truncated" if isinstance(e, EOFError) else "malformed"
             raise FormatError(where, f"{kind} data.pkl ({type(e).__name__})") from None
+        # every reader walks what it gets (flattening, plain): bounded here, once, for all
+        check_graph(obj, where, max_depth=MAX_NEST_DEPTH)
+        return obj
 
     def extent(self, st: StoredTensor, name: str = "", *, start: int = 0,
                count: int | None = None) -> Extent:
@@ -282,6 +286,8 @@ def read_torch_zip(store: Store, files: dict[str, int], rel: str) -> Checkpoint 
                         files={rel: size})
         tf = TorchFile(store, rel, size)
         EntryBuilder(ck, rel).objects("", tf.obj, tf)
+    except GraphBoundError:
+        raise  # torch would build the same graph: no second loader for it
     except (FormatError, UnsafeInputError):  # torch's own loader says it, or reads it
         return None
     ck.info["zip_files"] = [rel]

@@ -23,11 +23,11 @@ import tempfile
 from ..errors import FormatError, UnsafeInputError, shorten
 from ..model import DTYPES, Checkpoint, Chunk, Extent, ObjectEntry, TensorEntry
 from ..storage import Store
+from .limits import MAX_NEST_DEPTH
+from .safe_pickle import check_graph
 
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 INDEX_SUFFIX = ".bin.index.json"
-#: Deepest nesting of dicts and lists we flatten; real state dicts nest fewer than 10 levels.
-MAX_NEST_DEPTH = 256
 ZIP_MAGIC = b"PK\x03\x04"
 
 
@@ -41,7 +41,10 @@ def _container_or_tensor(v) -> bool:
 
 def _walk(obj, where: str | None = None):
     """(path, leaf) pairs of a nested object in insertion order, without recursion;
-    refuses nesting deeper than :data:`MAX_NEST_DEPTH` (a hostile file)."""
+    refuses nesting deeper than :data:`~.limits.MAX_NEST_DEPTH` and shared references
+    that would make the walk outgrow the file (:func:`~.safe_pickle.check_graph`):
+    hostile files."""
+    check_graph(obj, where)
     stack = [((), obj)]
     while stack:
         path, v = stack.pop()
