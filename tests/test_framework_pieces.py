@@ -312,3 +312,20 @@ def test_gc_and_rm_keep_a_users_file_and_say_so(deepspeed_ckpts, megatron_ckpts,
     assert code == 0 and not unis[0].exists(), out + err
     code, out, err = cli("rm", str(its[2]))
     assert code == 0 and not its[2].exists(), out + err
+
+
+def test_gc_removes_a_megatron_0_19_iteration_whole(megatron_ckpts, cli, tmp_path):
+    """megatron-core 0.19 writes no common.pt: its metadata.json and integrity.json are
+    still the iteration's own (gc kept every such iteration for holding "files not its
+    own"), and a user's file beside them is not."""
+    from test_megatron import NEXT_VERSION
+
+    run = copy_ckpt(megatron_ckpts.dist("tp2", NEXT_VERSION).run, tmp_path / "run")
+    assert (run / "iter_0000010" / "integrity.json").is_file()
+    assert not (run / "iter_0000010" / "common.pt").exists()
+    (run / "iter_0000020" / "NOTES.md").write_text("mine")
+    code, out, err = cli("gc", str(run), "--keep-last", "1")
+    assert code == 0, out + err
+    assert not (run / "iter_0000010").exists()
+    code, out, err = cli("rm", str(run / "iter_0000020"))
+    assert code == 1 and "NOTES.md" in err, out + err

@@ -50,6 +50,21 @@ def is_megatron_config(doc) -> bool:
     return isinstance(doc, dict) and doc.get("sharded_backend") == "torch_dist"
 
 
+def dist_files(files: dict[str, int]) -> set[str]:
+    """The files beside DCP's own that a ``torch_dist`` folder's layout names (its
+    ``metadata.json``, ``common.pt`` and ``integrity.json``), from the folder's listing
+    ``files``: empty unless DCP's ``.metadata`` and ``metadata.json`` are both there.
+
+    >>> sorted(dist_files({".metadata": 1, CONFIG: 1, INTEGRITY: 1, "NOTES.md": 1}))
+    ['integrity.json', 'metadata.json']
+    >>> dist_files({CONFIG: 1, INTEGRITY: 1})
+    set()
+    """
+    if ".metadata" not in files or CONFIG not in files:
+        return set()
+    return {CONFIG, COMMON, INTEGRITY} & set(files)
+
+
 def read_dist(store: Store, files: dict[str, int], *, strict: bool = True) -> Checkpoint:
     """Read a ``torch_dist`` folder: ``metadata.json``, DCP's metadata (one GET each) and
     the common state (three small reads of ``common.pt``).

@@ -58,19 +58,23 @@ def is_control_temp(rel: str) -> bool:
 
 
 def layout_files(files: dict[str, int]) -> set[str]:
-    """The files below a checkpoint folder's top that its format's layout names, from the
-    listing ``files``: a DeepSpeed universal checkpoint's ``zero/<param>/<state>.pt`` and
-    ``zero/optimizer_state.pt``, a Megatron legacy iteration's
-    ``mp_rank_TT[_PPP]/model_optim_rng.pt`` and the ``distrib_optim.pt`` beside each.
+    """The files a checkpoint folder's format layout names beyond what every format owns
+    (DCP's, safetensors, torch.save files), from its listing ``files``: a DeepSpeed
+    universal checkpoint's ``zero/<param>/<state>.pt`` and ``zero/optimizer_state.pt``, a
+    Megatron legacy iteration's ``mp_rank_TT[_PPP]/model_optim_rng.pt`` and the
+    ``distrib_optim.pt`` beside each; a Megatron ``torch_dist`` folder's ``metadata.json``,
+    ``common.pt`` and ``integrity.json`` (megatron-core 0.19 writes no ``common.pt``, so
+    nothing made its JSON a model folder's side files).
 
     >>> sorted(layout_files({"zero/w/fp32.pt": 8, "zero/w/notes.txt": 1,
     ...                      "mp_rank_00/model_optim_rng.pt": 9, "NOTES.md": 1}))
     ['mp_rank_00/model_optim_rng.pt', 'zero/w/fp32.pt']
     """
     from ..formats.deepspeed import universal_files
+    from ..formats.megatron import dist_files
     from ..formats.megatron_legacy import legacy_files
 
-    return universal_files(files) | legacy_files(files)
+    return universal_files(files) | legacy_files(files) | dist_files(files)
 
 
 def split_owned(files: dict[str, int], manifest: Manifest | None = None, *,
