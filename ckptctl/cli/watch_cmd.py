@@ -44,11 +44,12 @@ def watch(
     metrics_file: str | None = typer.Option(
         None, "--metrics-file", metavar="PATH",
         help="Keep Prometheus metrics in PATH (node_exporter's textfile collector: name it "
-             "*.prom), rewritten whole (temp file + rename) after each event."),
+             "*.prom), rewritten whole (temp file + rename) after each event; PATH must be "
+             "a regular file or not exist yet."),
     metrics_addr: str | None = typer.Option(
         None, "--metrics-addr", metavar="HOST:PORT",
-        help="Also serve the metrics over HTTP at http://HOST:PORT/metrics (:PORT: every "
-             "address)."),
+        help="Also serve the metrics over HTTP at http://HOST:PORT/metrics (:PORT: "
+             "127.0.0.1 only; every interface must be named: 0.0.0.0:PORT or [::]:PORT)."),
     log_format: str = typer.Option(
         "text", "--log-format", metavar="FORMAT",
         help="text (a summary per pass on stdout) or json (one JSON line per event on "
@@ -159,7 +160,12 @@ def watch(
     w = Watcher(config, settle=settle, node_rank=node_rank)
     w.lock()
     notifier = Notifier()
-    heartbeat = _serve(w, config, notifier, metrics_file, metrics_addr, log_format)
+    try:
+        heartbeat, metrics = _serve(w, config, notifier, metrics_file, metrics_addr,
+                                    log_format)
+    except BaseException:  # a refused metrics file or address: the lock goes too
+        w.unlock()
+        raise
     wake, stop = threading.Event(), threading.Event()
     drain = Drain(w, signum, wake, stop)
     try:
@@ -181,7 +187,8 @@ def watch(
 
             previous = _stop_between_passes(w, wake, stop)
             try:
-                w.loop(interval=interval, jitter=jitter, on_pass=report, wake=wake, stop=stop)
+                w.loop(interval=interval, jitter=jitter, on_pass=report, wake=wake, stop=stop,
+                       own_files=(metrics_file,) if metrics_file else ())
             except KeyboardInterrupt:  # a signal mid-pass: promote left resumable state
                 w.save()
             finally:
@@ -194,19 +201,23 @@ def watch(
     finally:
         drain.restore()
         heartbeat.stop()
+        if metrics is not None:
+            metrics.close()
         notifier.stopping()
         w.unlock()
 
 
 def _serve(w, config, notifier, metrics_file, metrics_addr, log_format):
     """Hang the service's listeners on the watcher (JSON log, metrics, notify) and start
-    the watchdog heartbeat (a no-op without WATCHDOG_USEC); returns the heartbeat."""
+    the watchdog heartbeat (a no-op without WATCHDOG_USEC); returns the heartbeat and the
+    metrics (None without them)."""
     import time
 
     from ..ops.sdnotify import Heartbeat
     from .watch_service import json_logger, notify_listener
 
     names = [t.name for t in config.tiers]
+    m = None
     if log_format == "json":
         w.listeners.append(json_logger())
     if metrics_file or metrics_addr:
@@ -221,7 +232,7 @@ def _serve(w, config, notifier, metrics_file, metrics_addr, log_format):
     period = notifier.watchdog_seconds or 0
     hb = Heartbeat(notifier, alive=lambda: w.waiting or time.monotonic() - w.progress < period)
     hb.start()
-    return hb
+    return hb, m
 
 
 def _report(p, json: bool, quiet: bool) -> None:

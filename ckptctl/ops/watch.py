@@ -693,7 +693,9 @@ class Watcher:
             self._seal(p, first[name])
         if first is not None and p.sealed:
             listings[0] = first = self._list(p, tiers[0])
-        self._hops(p, listings, set(ready))
+        # one that holds a user's file stays where it is: promote would adopt the file too
+        held = {f.name for f in p.failed if f.what == "seal" and f.code == "FOREIGN_FILES"}
+        self._hops(p, listings, set(ready) - held)
         for i, tier in enumerate(tiers):
             self._retain(p, i, listings)
         p.behind = self._behind(listings)
@@ -728,6 +730,7 @@ class Watcher:
             p.failed.append(waiting)
             return False
         try:
+            refuse_adopting(row.url, tier.storage_options, row.located)
             seal(row.url, tier.storage_options)
         except (CkptError, OSError) as e:
             self._fail(p, key, "seal", tier.name, row.name, e)
@@ -882,19 +885,23 @@ class Watcher:
     # -- loop -------------------------------------------------------------------------
 
     def loop(self, *, interval: float = 60.0, jitter: float = 0.0, on_pass=None,
-             wake: threading.Event | None = None, stop: threading.Event | None = None) -> None:
+             wake: threading.Event | None = None, stop: threading.Event | None = None,
+             own_files: tuple[str, ...] = ()) -> None:
         """Run passes forever: after each, wait ``interval`` (+ up to ``jitter``) seconds,
-        or less when the first tier changes (watchdog's inotify on a local first tier;
-        polling elsewhere or without watchdog). ``on_pass(WatchPass)`` is called after
-        each pass. Ends when ``stop`` is set (checked after each wait: a SIGTERM between
-        passes sets it and ``wake``), or by an exception (KeyboardInterrupt: a signal in
-        the middle of a pass), the status saved. ``self.waiting`` is True while it waits.
+        or less when the first tier changes (watchdog's inotify on a local first tier,
+        :func:`wakes`; polling elsewhere or without watchdog), a checkpoint settles or a
+        failed step's retry falls due. ``on_pass(WatchPass)`` is
+        called after each pass. ``own_files``: files this process rewrites (the metrics
+        file), whose changes wake nothing even inside the first tier. Ends when ``stop`` is
+        set (checked after each wait: a SIGTERM between passes sets it and ``wake``), or
+        by an exception (KeyboardInterrupt: a signal in the middle of a pass), the status
+        saved. ``self.waiting`` is True while it waits.
 
         >>> w.loop(interval=30, jitter=5)                 # doctest: +SKIP
         """
         wake = wake or threading.Event()
         stop = stop or threading.Event()
-        observer = self._observe(wake)
+        observer = self._observe(wake, own_files)
         try:
             while not stop.is_set():
                 wake.clear()
@@ -905,7 +912,7 @@ class Watcher:
                     break
                 self.waiting = True
                 try:
-                    wake.wait(interval + (random.uniform(0, jitter) if jitter > 0 else 0.0))
+                    wake.wait(self._next_wait(p, interval, jitter))
                 finally:
                     self.waiting = False
         finally:
@@ -913,28 +920,117 @@ class Watcher:
                 observer.stop()
             self.save()
 
-    def _observe(self, wake: threading.Event):
-        """A watchdog observer that sets ``wake`` on any change under a local first tier;
-        None (polling) for a remote tier or without watchdog."""
+    def _next_wait(self, p: WatchPass, interval: float, jitter: float) -> float:
+        """Seconds to wait after the pass ``p``: ``interval`` (+ up to ``jitter``), or less
+        when a checkpoint it left settling has settled, or a failure's retry falls due,
+        before then: no file event announces either."""
+        wait = interval + (random.uniform(0, jitter) if jitter > 0 else 0.0)
+        now, seen = self.clock(), self.status.get("seen") or {}
+        due = [seen[x["name"]]["since"] + self.settle for x in p.pending
+               if x.get("why") == "settling" and x.get("name") in seen]
+        due += [f.next_retry for f in p.failed]
+        return min([wait, *(max(0.0, t - now) for t in due)])
+
+    def _observe(self, wake: threading.Event, own_files: tuple[str, ...] = ()):
+        """A watchdog observer that sets ``wake`` when something changes under a local
+        first tier (:func:`wakes`), never for this watch's own files (its state folder,
+        ``own_files``); None (polling) for a remote tier or without watchdog."""
         root = self.config.tiers[0].url
         if "://" in root and not root.startswith("file://"):
             return None
         try:
-            from watchdog.events import FileSystemEventHandler
             from watchdog.observers import Observer
         except ImportError:
             return None
-
-        class _Wake(FileSystemEventHandler):
-            def on_any_event(self, event):
-                wake.set()
-
+        root = os.path.realpath(root.removeprefix("file://"))
+        own = tuple(os.path.realpath(f) for f in (self.dir, *own_files))
         os.makedirs(root, exist_ok=True)
         observer = Observer()
         observer.daemon = True
-        observer.schedule(_Wake(), root, recursive=True)
+        handler = _Wake(wake, own)
+        try:  # the filter also narrows the kernel's inotify mask: reads are never delivered
+            observer.schedule(handler, root, recursive=True, event_filter=_wake_events())
+        except TypeError:  # a watchdog without event_filter: the handler filters alone
+            observer.schedule(handler, root, recursive=True)
         observer.start()
         return observer
+
+
+def _wake_events() -> list[type]:
+    """The watchdog events that can change what a pass decides: a file written and
+    closed, anything created, moved or deleted, and lost events (the kernel's queue
+    overflowed). Never a read: opened and closed-without-writing come from watch's own
+    listing and verification, and waking on them made an idle watch spin. Nor a bare
+    modification: a file still being written is closed later.
+
+    >>> sorted(c.__name__ for c in _wake_events())[:3]
+    ['DirCreatedEvent', 'DirDeletedEvent', 'DirMovedEvent']
+    """
+    from watchdog import events
+
+    names = ("FileClosedEvent", "FileCreatedEvent", "DirCreatedEvent", "FileMovedEvent",
+             "DirMovedEvent", "FileDeletedEvent", "DirDeletedEvent",
+             "EventsLostEvent")  # watchdog >= 6
+    return [getattr(events, n) for n in names if hasattr(events, n)]
+
+
+def wakes(event, own: tuple[str, ...] = ()) -> bool:
+    """Does watchdog's ``event`` wake the loop: one of :func:`_wake_events` about a path
+    that is not one of ``own`` (a file, its temporary ``FILE.<suffix>``, or what lies
+    under a folder), the files the watch itself rewrites every pass.
+
+    >>> from watchdog.events import FileClosedEvent, FileClosedNoWriteEvent
+    >>> wakes(FileClosedEvent("/hot/step-1/.metadata")), wakes(FileClosedNoWriteEvent("/hot/x"))
+    (True, False)
+    >>> wakes(FileClosedEvent("/hot/w.prom.12.34"), own=("/hot/w.prom",))
+    False
+    """
+    if not isinstance(event, tuple(_wake_events())):
+        return False
+    paths = [os.fsdecode(p) for p in (event.src_path, getattr(event, "dest_path", ""))
+             if p]
+    return not paths or not all(_is_own(p, own) for p in paths)
+
+
+def _is_own(path: str, own: tuple[str, ...]) -> bool:
+    return any(path == o or path.startswith((o + ".", o + os.sep)) for o in own)
+
+
+class _Wake:
+    """The watchdog handler of :meth:`Watcher._observe`: sets ``wake`` on an event that
+    :func:`wakes` it."""
+
+    def __init__(self, wake: threading.Event, own: tuple[str, ...]):
+        self.wake = wake
+        self.own = own
+
+    def dispatch(self, event) -> None:
+        if wakes(event, self.own):
+            self.wake.set()
+
+
+def refuse_adopting(url: str, storage_options: dict | None = None,
+                    located: tuple | None = None) -> None:
+    """A seal by watch adopts nothing its checkpoint's format does not name: a
+    :class:`~ckptctl.errors.Finding` (``FOREIGN_FILES``) naming the other files of the
+    checkpoint at ``url`` (the ownership ``rm`` and ``gc`` judge by,
+    :func:`~.ownership.split_owned`), whose manifest would otherwise own them, and whose
+    trims would take them from every tier. ``located``: its listing, when ``ls`` has it.
+
+    >>> refuse_adopting("hot/step-1", None, (None, {".metadata": 1, "NOTES.md": 3}, None))
+    Traceback (most recent call last):
+    ckptctl.errors.Finding: hot/step-1: holds NOTES.md, which its format does not name: seal it by hand to adopt it (ckptctl seal hot/step-1), or move it away
+    """
+    from ..formats.detect import locate
+    from .ownership import foreign_list, split_owned
+
+    _store, files, single = located or locate(url, storage_options)
+    foreign = split_owned(files, single=single)[1]
+    if foreign:
+        it = "them" if len(foreign) > 1 else "it"
+        raise Finding(url, f"holds {foreign_list(foreign)}, which its format does not name: "
+                      f"seal it by hand to adopt {it} (ckptctl seal {url}), or move {it} "
+                      "away", code="FOREIGN_FILES")
 
 
 def _newest(rows: dict) -> str | None:
