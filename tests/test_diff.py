@@ -75,7 +75,8 @@ def test_identical_across_formats_and_layouts(torch_ckpts, derived, cli):
         assert r.equal and r.counts == {"identical": 39}, other
     code, out, err = cli("diff", src, str(root / "st"), "--only", "model.*")
     assert code == 0 and err == ""
-    assert out.splitlines()[0] == "identical: 39 entries (4.0 MiB)"
+    assert out.splitlines()[:2] == ["identical: 39 tensors (bit for bit)",
+                                    "identical: 39 entries (4.0 MiB)"]
     assert "39 byte-identical (read and compared)" in out
 
 
@@ -103,6 +104,7 @@ def test_manifest_hashes_fast_path(torch_ckpts, tmp_path):
 
     p = locate_payload(ck, c.extent)
     data[p.offset:p.offset + 4] = np.float32(7.0).tobytes()
+    _recrc(data, c.extent, p)  # a new value, as a writer would record it (seal checks CRCs)
     (b / rel).write_bytes(bytes(data))
     # the manifests are trusted as they are (verify --level full re-proves them): an
     # in-place edit is seen once b is sealed again
@@ -114,6 +116,33 @@ def test_manifest_hashes_fast_path(torch_ckpts, tmp_path):
     assert e.status == "different" and e.changed == 1
     assert 0 < r.bytes_compared < r.bytes and r.bytes_fast_pathed > 0
     assert r.bytes_fast_pathed + r.bytes_compared == r.bytes
+
+
+def _recrc(data: bytearray, ext, p) -> None:
+    """Record the CRC-32 of the payload record at ``p`` (in the zip at ``ext``) anew in
+    the zip's central directory, local header and data descriptor."""
+    import struct
+    import zlib
+
+    crc = zlib.crc32(data[p.offset:p.offset + p.length])
+    en = next(e for e in p.entries if e.method == 0 and e.usize == p.length
+              and not e.name.endswith(".pkl"))
+    at = data.find(b"PK\x01\x02" + bytes(12), ext.offset)  # placeholder, replaced below
+    zip_ = bytes(data[ext.offset:ext.offset + ext.length])
+    i = zip_.find(b"PK\x01\x02")
+    while i >= 0:
+        nlen = struct.unpack_from("<H", zip_, i + 28)[0]
+        if zip_[i + 46:i + 46 + nlen].decode() == en.name:
+            at = ext.offset + i
+            break
+        i = zip_.find(b"PK\x01\x02", i + 4)
+    struct.pack_into("<I", data, at + 16, crc)
+    local = ext.offset + en.header_offset
+    if struct.unpack_from("<I", data, local + 14)[0]:
+        struct.pack_into("<I", data, local + 14, crc)
+    end = p.offset + p.length
+    if data[end:end + 4] == b"PK\x07\x08":
+        struct.pack_into("<I", data, end + 4, crc)
 
 
 # ------------------------------------------------------------------------ differences
@@ -266,7 +295,7 @@ def test_mismatches_only_in_and_exit_codes(tmp_path, cli):
     assert (_row(r, "s").shape, _row(r, "s").shape_b) == ([6], [2, 3])
     code, out, err = cli("diff", A, B)
     assert code == 1 and err == ""
-    assert out.splitlines()[-2] == ("identical: 1 entry (32 B), dtype mismatch: 1, shape "
+    assert out.splitlines()[1] == ("identical: 1 entry (32 B), dtype mismatch: 1, shape "
                                     "mismatch: 1, only in A: 1, only in B: 1")
     assert cli("diff", A, B, "--quiet") == (1, "", "")
     doc = json.loads(cli("diff", A, B, "--json")[1])

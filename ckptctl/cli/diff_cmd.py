@@ -34,11 +34,21 @@ def diff(
                                    "within --atol/--rtol, or with neither, within one unit in "
                                    "the last place of the narrower type (bf16: rtol 2^-7)."),
     only: Optional[List[str]] = typer.Option(
-        None, "--only", metavar="GLOB", help="Compare only entries whose name (after --map) "
-        "matches, repeatable: 'model.*', '*.exp_avg'."),
+        None, "--only", metavar="PART|GLOB", help="Compare only a state part (model, optim, "
+        "rng, step, ...: A's names decide) or the entries whose name after --map, or A's "
+        "before it, matches a glob; repeatable: model, 'layers.*', '*.exp_avg'."),
     map_: Optional[List[str]] = typer.Option(
         None, "--map", metavar="OLD=NEW", help="Rename A's names starting with OLD before "
         "matching, repeatable; first match wins ('model.=' strips 'model.')."),
+    common: bool = typer.Option(False, "--common",
+                                help="Compare only the entries both sides hold: those on one "
+                                     "side only are counted, not a difference (exit 0 when "
+                                     "every common entry is equal)."),
+    stat: bool = typer.Option(False, "--stat", help="Per-part counts (same, differ, only in "
+                              "A, only in B) instead of the list of differing entries."),
+    limit: int = typer.Option(20, "--limit", min=0, metavar="N",
+                              help="List at most N differing entries, largest change first; "
+                                   "0: every one."),
     max_memory: str = typer.Option("1GiB", "--max-memory", metavar="SIZE", callback=check_size,
                                    help="Memory budget for tensor data (1GiB, 512MB, ...)."),
     workers: int = typer.Option(4, "--workers", min=1, metavar="N",
@@ -64,10 +74,16 @@ def diff(
     plain values when both decode safely, else by their payload bytes. Tensors stream in
     blocks within --max-memory; only blocks whose bytes differ are decoded.
 
+    The first line is the verdict (identical, equal or differ, with counts), then the
+    count of each status and what was proven, then the differing entries: mismatches of
+    dtype or shape first, then by relative L2 change, largest first; entries on one side
+    only last (--limit caps the list; --stat counts per state part instead).
+
     \b
     EXAMPLES
       ckptctl diff run/step-1000 run/step-1000-resharded
-      ckptctl diff ckpt/step-20 export/ --map model.= --only 'layers.*'
+      ckptctl diff ckpt/step-20 export/ --map model.= --only model
+      ckptctl diff ckpt/step-20 export/ --map model.= --common --stat
       ckptctl diff --atol 1e-6 --rtol 1e-3 --json a/ s3://runs/llama/step-12000
       ckptctl diff --cast hf-bf16/ ckpt/step-20 --map model.=  # bf16 vs fp32
     """
@@ -78,19 +94,99 @@ def diff(
     with byte_progress("diff", enabled=not (json or quiet)) as bar:
         r = do_diff(pa.url, pb.url, pa.storage_options, pb.storage_options, atol=atol,
                     rtol=rtol, only=only, maps=map_, max_memory=max_memory, workers=workers,
-                    cast=cast, on_bytes=bar, on_total=bar and bar.total)
+                    cast=cast, common=common, on_bytes=bar, on_total=bar and bar.total)
     if json:
         emit_json(r.to_dict())
     elif not quiet:
-        rows = [[e.name, e.status, detail(e)] for e in r.entries if e.status not in
-                ("identical", "equal_within_tolerance")]
-        if rows:
-            print_table(["entry", "status", "detail"], rows, fold=(2,))
-        say(summary(r))
-        say(f"proven: {r.proven}; compared {human_bytes(r.bytes_compared)} of each side, "
-            f"{human_bytes(r.bytes_fast_pathed)} by manifest hashes ({r.seconds:.2f}s)")
+        render(r, stat=stat, limit=limit)
     if not r.equal:
         raise typer.Exit(EXIT_FINDING)
+
+
+def render(r, *, stat: bool = False, limit: int = 20) -> None:
+    """Human output: the verdict, the status counts, what was proven, then the per-part
+    table (``stat``) or the first ``limit`` differing entries (0: all), largest change
+    first."""
+    say(verdict(r))
+    say(summary(r))
+    say(f"proven: {r.proven}; compared {human_bytes(r.bytes_compared)} of each side, "
+        f"{human_bytes(r.bytes_fast_pathed)} by manifest hashes ({r.seconds:.2f}s)")
+    if stat:
+        print_table(["part", "same", "differ", "only in A", "only in B"], stat_rows(r))
+        return
+    by_name = {e.name: e for e in r.entries}
+    listed = [by_name[n] for n in r.differing]  # with --common, one-sided ones only counted
+    shown = listed[:limit] if limit else listed
+    if shown:
+        print_table(["entry", "status", "detail"], [[e.name, e.status, detail(e)] for e in shown],
+                    fold=(2,))
+    if len(shown) < len(listed):
+        say(f"... and {len(listed) - len(shown):,} more (--limit 0 lists every one)")
+
+
+def verdict(r) -> str:
+    """The first line: the whole comparison in a few words.
+
+    >>> from ckptctl.ops.diff import DiffResult, EntryDiff
+    >>> rows = [EntryDiff(f"w{i}", "tensor", "identical", proof="bytes") for i in range(3)]
+    >>> verdict(DiffResult(True, {}, {}, 0, 0, entries=rows, verdict="identical"))
+    'identical: 3 tensors (bit for bit)'
+    >>> rows += [EntryDiff("v", "tensor", "different"), EntryDiff("s", "object", "only_in_a")]
+    >>> verdict(DiffResult(False, {}, {}, 0, 0, entries=rows, verdict="different"))
+    'differ: 1 of 4 tensors, 1 only in A'
+    >>> verdict(DiffResult(True, {}, {}, 0, 0, entries=rows[:3] + rows[4:], common=True,
+    ...                    verdict="identical"))
+    'identical: 3 tensors (bit for bit); 1 only in A, not compared (--common)'
+    >>> verdict(DiffResult(False, {}, {}, 0, 0, entries=rows[:3] + rows[4:],
+    ...                    verdict="different"))
+    'differ: 1 only in A (--common compares the 3 entries both hold)'
+    """
+    from ..ops.diff import EQUAL, ONE_SIDED
+
+    both = [e for e in r.entries if e.status not in ONE_SIDED]
+    one = [f"{n:,} only in {s[-1].upper()}" for s in ONE_SIDED
+           if (n := sum(e.status == s for e in r.entries))]
+    aside = f"; {', '.join(one)}, not compared (--common)" if r.common and one else ""
+    if not r.equal:
+        unequal = [_of(sum(e.status not in EQUAL for e in both if e.kind == k),
+                       sum(e.kind == k for e in both), k) for k in ("tensor", "object")]
+        text = "differ: " + ", ".join([u for u in unequal if u] + ([] if r.common else one))
+        if not any(unequal):  # only names one side lacks: say how to compare the rest
+            text += (f" (--common compares the {plural(len(both), 'entry', 'entries')} both "
+                     "hold)" if both else " (no name in common: --map OLD=NEW renames A's)")
+        return text + aside
+    kinds = [plural(n, k) for k in ("tensor", "object") if (n := sum(e.kind == k for e in both))]
+    if r.verdict == "identical":
+        values = any(e.proof == "values" for e in both)
+        how = "tensors bit for bit, objects as values" if values else "bit for bit"
+    else:
+        n = sum(e.status == "equal_within_tolerance" for e in both)
+        how = f"{n:,} within atol={r.atol:g}, rtol={r.rtol:g}"
+    word = "identical" if r.verdict == "identical" else "equal"
+    return f"{word}: {', '.join(kinds) or 'no entry'} ({how}){aside}"
+
+
+def _of(n: int, total: int, kind: str) -> str:
+    """``'3 of 245 tensors'``; empty when none differs."""
+    return f"{n:,} of {plural(total, kind)}" if n else ""
+
+
+def stat_rows(r) -> list[list[str]]:
+    """``--stat``: per state part, the entries equal, differing, only in A, only in B.
+
+    >>> from ckptctl.ops.diff import DiffResult
+    >>> stat_rows(DiffResult(False, {}, {}, 0, 0, parts={"model": {"identical": 38,
+    ...           "different": 1}, "optim": {"only_in_a": 135}}))
+    [['model', '38', '1', '0', '0'], ['optim', '0', '0', '135', '0']]
+    """
+    from ..ops.diff import EQUAL
+
+    rows = []
+    for part, counts in r.parts.items():
+        same = sum(counts.get(s, 0) for s in EQUAL)
+        a, b = counts.get("only_in_a", 0), counts.get("only_in_b", 0)
+        rows.append([part, *(f"{n:,}" for n in (same, sum(counts.values()) - same - a - b, a, b))])
+    return rows
 
 
 def summary(r) -> str:

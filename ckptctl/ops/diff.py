@@ -21,6 +21,14 @@ renames applied to A's names) and gets one :data:`STATUSES` status:
   object): nothing is read;
 * ``only_in_a``, ``only_in_b``.
 
+``only`` selects entries by state part (``model``, ``optim``, ...: :func:`ckptctl.parts.classify`
+of A's name, else B's) or by glob (over the name after ``maps`` or A's own name), so
+``maps=["model.="], only=["model"]`` compares a checkpoint's model with its HF export.
+``common``: the entries only one side holds are counted but do not make the two unequal.
+The result's ``verdict`` is the whole comparison in one status word, ``parts`` the counts
+per state part, ``differing`` what makes the two unequal, largest change first
+(:func:`ranked`).
+
 Tensors stream in row blocks over the intersection of the two chunk layouts (each chunk
 of A is assembled from B's chunks, the way reshard assembles a target chunk), so memory
 stays within ``max_memory`` whatever the tensor sizes. Blocks are compared as bytes
@@ -32,9 +40,9 @@ lists, dicts: DCP pickles through the no-globals loader, torch.save values as lo
 else by their payload bytes (a DCP object's ``data.pkl`` and storages, an opaque file's
 bytes), which may call the same value "different" across formats (the note says so).
 
->>> r = diff("run/step-100", "export/", maps=["model.="], only=["layers.*"])  # doctest: +SKIP
->>> r.equal, r.counts                                                          # doctest: +SKIP
-(True, {'identical': 36})
+>>> r = diff("run/step-100", "export/", maps=["model.="], only=["model"])  # doctest: +SKIP
+>>> r.equal, r.verdict, r.counts                                           # doctest: +SKIP
+(True, 'identical', {'identical': 36})
 """
 from __future__ import annotations
 
@@ -47,12 +55,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from ..errors import CkptError, StorageError, UsageError
+from ..parts import PARTS, classify
 
 #: Every status an entry can get, in the order summaries list them.
 STATUSES = ("identical", "equal_within_tolerance", "different", "dtype_mismatch",
             "shape_mismatch", "kind_mismatch", "only_in_a", "only_in_b")
 #: The statuses that make two checkpoints equal (exit 0).
 EQUAL = ("identical", "equal_within_tolerance")
+#: The statuses of an entry only one side holds (with ``common``: counted, not decisive).
+ONE_SIDED = ("only_in_a", "only_in_b")
+#: Differences of structure, listed before any difference of values.
+STRUCTURAL = ("kind_mismatch", "shape_mismatch", "dtype_mismatch")
 #: Elements decoded to float64 at once (a few such arrays live per worker).
 SUB_ELEMENTS = 1 << 17
 
@@ -83,6 +96,7 @@ class EntryDiff:
     rel_l2: float | None = None
     fraction_changed: float | None = None
     note: str | None = None
+    part: str | None = None
 
 
 @dataclass
@@ -92,7 +106,10 @@ class DiffResult:
     ``bytes``: tensor bytes of the entries present on both sides with the same dtype and
     shape; ``bytes_fast_pathed``: of those, proven by manifest hashes without reading;
     ``bytes_compared``: read from each side and compared; ``bytes_decoded``: in blocks
-    that differed, decoded for statistics."""
+    that differed, decoded for statistics. ``verdict``: ``identical``,
+    ``equal_within_tolerance`` or ``different``; ``common``: whether entries on one side
+    only were left out of it; ``parts``: ``{part: {status: n}}``; ``differing``: the names
+    that make the two unequal, largest change first."""
 
     equal: bool
     a: dict
@@ -108,11 +125,15 @@ class DiffResult:
     bytes_decoded: int = 0
     seconds: float = 0.0
     proven: str = ""
+    verdict: str = ""
+    common: bool = False
+    parts: dict[str, dict[str, int]] = field(default_factory=dict)
+    differing: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["entries"] = [{k: v for k, v in e.items() if v is not None} for e in d["entries"]]
-        return d
+        return {"equal": d.pop("equal"), "verdict": d.pop("verdict"), **d}
 
 
 # --------------------------------------------------------------------------- names
@@ -149,13 +170,101 @@ def map_name(name: str, maps: list[tuple[str, str]]) -> str:
     return name
 
 
-def selected(name: str, only: list[str] | None) -> bool:
-    """Whether ``name`` matches one of the ``only`` globs (all names when none).
+def part_of(name: str, name_a: str | None = None) -> str:
+    """The state part of an entry: of A's own name when A holds it (an export's names,
+    stripped of ``model.``, say less), else of ``name``.
+
+    >>> part_of("layers.0.w", "model.layers.0.w"), part_of("optim.state.w.exp_avg")
+    ('model', 'optim')
+    """
+    return classify(name_a if name_a is not None else name)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What ``--only`` selects: the entries of ``parts``, and those whose name after
+    ``--map`` or A's own name before it matches one of ``globs``; every entry when both
+    are empty.
+
+    >>> sel = Selection.parse(["optimizer", "layers.0.*"])
+    >>> sel
+    Selection(parts=frozenset({'optim'}), globs=('layers.0.*',))
+    >>> sel("optim.state.w.step"), sel("layers.0.w"), sel("norm.w", "model.norm.w")
+    (True, True, False)
+    >>> Selection.parse(["model.*"])("layers.0.w", "model.layers.0.w")
+    True
+    """
+
+    parts: frozenset = frozenset()
+    globs: tuple = ()
+
+    @classmethod
+    def parse(cls, only: list[str] | None) -> "Selection":
+        """``--only`` values: a comma list of state parts (``model``, ``optim,rng``, with
+        :func:`~ckptctl.ops.closure.parse_parts`' spellings), else a glob."""
+        from .closure import parse_parts
+
+        parts, globs = set(), []
+        for value in only or ():
+            try:
+                parts.update(parse_parts(value))
+            except UsageError:
+                globs.append(value)
+        return cls(frozenset(parts), tuple(globs))
+
+    def __bool__(self) -> bool:
+        return bool(self.parts or self.globs)
+
+    def __call__(self, name: str, name_a: str | None = None) -> bool:
+        if not self:
+            return True
+        if self.parts and part_of(name, name_a) in self.parts:
+            return True
+        return any(fnmatch.fnmatchcase(n, g) for g in self.globs
+                   for n in (name, name_a) if n is not None)
+
+
+def selected(name: str, only: list[str] | None, name_a: str | None = None) -> bool:
+    """Whether ``--only`` values ``only`` select the entry matched as ``name`` (A's own
+    name ``name_a``): see :class:`Selection`.
 
     >>> selected("model.layers.0.w", ["model.*"]), selected("optim.x", ["model.*", "step"])
     (True, False)
+    >>> selected("layers.0.w", ["model"], "model.layers.0.w"), selected("optim.x", ["model"])
+    (True, False)
     """
-    return not only or any(fnmatch.fnmatchcase(name, g) for g in only)
+    return Selection.parse(only)(name, name_a)
+
+
+def _change(e: EntryDiff) -> tuple:
+    """Sort key of a differing entry, largest change first: differences of structure,
+    then values by relative L2 change (infinite where B is all zeros or a NaN/Inf sits on
+    one side only; max |a-b| breaks ties), then differences without numbers (objects,
+    undecoded dtypes), then entries one side lacks; by name within each."""
+    from ..model import natural_key
+
+    if e.status in STRUCTURAL:
+        return (0, STRUCTURAL.index(e.status), 0.0, natural_key(e.name))
+    if e.status in ONE_SIDED:
+        return (3, ONE_SIDED.index(e.status), 0.0, natural_key(e.name))
+    if e.max_abs_diff is None:
+        return (2, 0, 0.0, natural_key(e.name))
+    rel = math.inf if e.nonfinite_mismatch or e.rel_l2 is None else e.rel_l2
+    return (1, -rel, -e.max_abs_diff, natural_key(e.name))
+
+
+def ranked(entries: list[EntryDiff]) -> list[EntryDiff]:
+    """The entries that are not equal, largest change first (see :func:`_change`).
+
+    >>> rows = [EntryDiff("a", "tensor", "different", max_abs_diff=0.1, rel_l2=0.001),
+    ...         EntryDiff("b", "tensor", "identical"),
+    ...         EntryDiff("c", "tensor", "only_in_a"),
+    ...         EntryDiff("d", "tensor", "different", max_abs_diff=0.01, rel_l2=0.5),
+    ...         EntryDiff("e", "tensor", "shape_mismatch")]
+    >>> [e.name for e in ranked(rows)]
+    ['e', 'd', 'a', 'c']
+    """
+    return sorted((e for e in entries if e.status not in EQUAL), key=_change)
 
 
 # --------------------------------------------------------------------------- decoding
@@ -765,12 +874,15 @@ def _side(ck) -> dict:
 def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None = None, *,
          atol: float = 0.0, rtol: float = 0.0, only: list[str] | None = None,
          maps: list[str] | None = None, max_memory: int | str = 1 << 30, workers: int = 4,
-         cast: bool = False, on_bytes: Callable[[int], None] | None = None,
+         cast: bool = False, common: bool = False,
+         on_bytes: Callable[[int], None] | None = None,
          on_total: Callable[[int], None] | None = None) -> DiffResult:
     """Compare checkpoint ``a`` with ``b`` (any formats, layouts, places).
 
     ``maps``: ``OLD=NEW`` prefix renames applied to A's names before matching; ``only``:
-    globs over the matching names (any may match). ``atol``/``rtol``: numpy ``isclose``
+    state parts or globs (any may match, see :class:`Selection`); ``common``: entries on
+    one side only are counted, not held against equality (a checkpoint against its
+    model-only export). ``atol``/``rtol``: numpy ``isclose``
     tolerance, B the reference. Memory for tensor data stays within about
     ``max_memory``; ``workers`` chunks are compared at once. ``on_bytes(n)``: n more
     bytes of each side compared; ``on_total(n)``: called once with the total.
@@ -808,9 +920,18 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
             raise UsageError(f"--map makes {names_a[key]!r} and {n!r} of A the same name {key!r}")
         names_a[key] = n
     names_b = {n: n for n in list(ckb.tensors) + list(ckb.objects)}
-    keys = sorted((k for k in set(names_a) | set(names_b) if selected(k, only)), key=natural_key)
+    everything = sorted(set(names_a) | set(names_b), key=natural_key)
+    pick = Selection.parse(only)
+    keys = [k for k in everything if pick(k, names_a.get(k))]
     if only and not keys:
-        raise UsageError(f"--only {' '.join(only)} selects no entry of either checkpoint")
+        raise UsageError(f"--only {' '.join(only)} selects no entry of either checkpoint "
+                         f"(state parts: {', '.join(PARTS)}; or a glob over names such as "
+                         f"{everything[0]!r})" if everything else
+                         f"--only {' '.join(only)}: neither checkpoint holds an entry")
+    if common and not any(k in names_a and k in names_b for k in keys):
+        raise UsageError("--common: A and B have no entry name in common"
+                         + (" among those --only selects" if only else "")
+                         + " (--map OLD=NEW renames A's names)")
 
     rows: list[EntryDiff] = []
     pairs_todo: list[_Pair] = []
@@ -821,7 +942,7 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
         ta = cka.tensors.get(na) if na else None
         tb = ckb.tensors.get(nb) if nb else None
         kind = "tensor" if (ta or tb) else "object"
-        row = EntryDiff(k, kind, "", name_a=na, name_b=nb)
+        row = EntryDiff(k, kind, "", name_a=na, name_b=nb, part=part_of(k, na))
         rows.append(row)
         if na is None or nb is None:
             row.status = "only_in_a" if nb is None else "only_in_b"
@@ -902,11 +1023,35 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
         if row.status == "identical" and row.kind == "tensor":
             res.bytes_identical += row.bytes
     res.counts = {s: n for s, n in counts.items() if n}
+    res.parts = part_counts(rows)
     res.entries = rows
-    res.equal = all(r.status in EQUAL for r in rows)
+    res.common = common
+    decisive = [r for r in rows if not (common and r.status in ONE_SIDED)]
+    res.differing = [r.name for r in ranked(decisive)]
+    res.equal = not res.differing
+    res.verdict = ("different" if res.differing else "identical"
+                   if all(r.status == "identical" for r in decisive) else "equal_within_tolerance")
     res.proven = _proven(rows, atol, rtol)
     res.seconds = round(time.monotonic() - t0, 3)
     return res
+
+
+def part_counts(rows: list[EntryDiff]) -> dict[str, dict[str, int]]:
+    """``{part: {status: n}}``, parts in :data:`ckptctl.parts.PARTS` order, statuses in
+    :data:`STATUSES` order, only those that occur.
+
+    >>> part_counts([EntryDiff("w", "tensor", "identical", part="model"),
+    ...              EntryDiff("s", "object", "only_in_a", part="step"),
+    ...              EntryDiff("v", "tensor", "different", part="model")])
+    {'model': {'identical': 1, 'different': 1}, 'step': {'only_in_a': 1}}
+    """
+    out: dict[str, dict[str, int]] = {}
+    for row in rows:
+        per = out.setdefault(row.part or "model", {})
+        per[row.status] = per.get(row.status, 0) + 1
+    order = {p: i for i, p in enumerate(PARTS)}
+    return {p: {s: out[p][s] for s in STATUSES if s in out[p]}
+            for p in sorted(out, key=lambda p: order.get(p, len(order)))}
 
 
 def _proven(rows: list[EntryDiff], atol: float, rtol: float) -> str:

@@ -42,6 +42,10 @@ VOCABULARY: dict[str, str] = {
     "initiated": "when an unfinished multipart upload was started: ISO-8601 UTC",
     "pinned, pinned_at": "whether a checkpoint is pinned, and since when (ISO-8601 UTC)",
     "ok, equal": "verify's and diff's verdicts (true: nothing wrong, no difference)",
+    "verdict": "diff's verdict in one entry status: identical, equal_within_tolerance or "
+               "different",
+    "part": "the state part an entry belongs to: model, optim, lr_scheduler, rng, step, "
+            "dataloader, meta, module16 (`parts`: counts per part)",
     "problems": "findings: [{code, severity, path, entry, message}]",
     "error": "on failure only: {code, exit_code, message, path}",
 }
