@@ -74,7 +74,8 @@ def deepspeed_universal(tag: Path, params=("lin.weight", "lin.bias", "emb.weight
     ``zero/optimizer_state.pt`` and the copied model states."""
     import torch
 
-    _save(tag / "mp_rank_00_model_states.pt", {"module": {}, "param_shapes": [{}]})
+    _save(tag / "mp_rank_00_model_states.pt",
+          {"module": {}, "param_shapes": [{p: (4,) for p in params}]})  # the zero/ tree's index
     for p in params:
         for state in ("fp32", "exp_avg", "exp_avg_sq"):
             _save(tag / "zero" / p / f"{state}.pt", {"param": torch.zeros(4)})

@@ -413,8 +413,8 @@ def _live_dependants(w: World, b: Before, t: Spec) -> list[Spec]:
         return []  # no manifest, no id: nothing can be made against it
     out = []
     for p in w.specs:
-        if p.base is None or w.ids.get(p.base) != tid:
-            continue
+        if p.base is None or w.ids.get(p.base) != tid or p.i == t.i:
+            continue  # (a pack of a copy of its own base names its own id: not a dependant)
         committed = f"{p.key}/{MANIFEST}" in b.snap
         marked = f"{p.key}/{WRITING_MARKER}" in b.snap
         beside = posixpath.dirname(p.key) == posixpath.dirname(t.key)
