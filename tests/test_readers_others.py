@@ -484,10 +484,10 @@ def test_hf_storage_writer_overlap_and_bad_offsets(tmp_path):
               {"DCP_SHARDING_INFO": json.dumps({"w": {"saved_offsets": [2**60, 0]}})})
     with pytest.raises(FormatError, match="absurdly large"):
         open_checkpoint(str(d))
-    d = tmp_path / "dup"  # the same name in two files without sharding info is still an error
-    d.mkdir()
-    save_file({"w": full["w"]}, d / "a.safetensors")
-    save_file({"w": full["w"]}, d / "b.safetensors")
+    d = tmp_path / "dup"  # the same name in two rank files without sharding info is still
+    d.mkdir()             # an error (two complete files are two exports: test_exports.py)
+    save_file({"w": full["w"]}, d / "shard-00001-model-00001-of-00001.safetensors")
+    save_file({"w": full["w"]}, d / "shard-00002-model-00001-of-00001.safetensors")
     with pytest.raises(FormatError, match="also stored"):
         open_checkpoint(str(d))
 

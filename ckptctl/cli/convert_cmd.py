@@ -167,13 +167,16 @@ def consolidate(
     ctx: typer.Context,
     src: str = place_argument(metavar="SRC", help="Source checkpoint, any format/place "
                               "(path, s3://..., TIER:NAME)."),
-    dst: str = place_argument(metavar="DST", help="New folder (or a .pt/.bin file name with "
-                              "--to torch); path, s3://..., TIER:NAME."),
-    to: str = typer.Option("safetensors", "--to", metavar="FORMAT",
-                           autocompletion=_consolidate_targets,
-                           help="safetensors (HF layout), torch (torch.save), dcp, or "
-                                "deepspeed-universal (DeepSpeed resumes it at any world "
-                                "size)."),
+    dst: str = place_argument(metavar="DST", help="New folder, or one file: x.safetensors, "
+                              "x.pt (.pth, .bin, .ckpt: torch.save); path, s3://..., "
+                              "TIER:NAME."),
+    to: Optional[str] = typer.Option(None, "--to", metavar="FORMAT",
+                                     autocompletion=_consolidate_targets,
+                                     help="safetensors (HF layout), torch (torch.save), dcp, "
+                                          "or deepspeed-universal (DeepSpeed resumes it at "
+                                          "any world size). Default: what DST's extension "
+                                          "says, else safetensors; an extension --to "
+                                          "disagrees with is refused."),
     only: Optional[str] = typer.Option(None, "--only", metavar="PART",
                                        help="Only these state parts: model, optim (comma list)."),
     dtype: Optional[str] = typer.Option(None, "--dtype", metavar="DTYPE",
@@ -189,8 +192,10 @@ def consolidate(
         help="--to safetensors: also carry the source folder's top-level files matching "
              "GLOB (repeatable); config, generation config and tokenizer files are carried "
              "by default."),
-    max_shard_size: str = typer.Option("5GB", "--max-shard-size", metavar="SIZE", callback=check_size,
-                                       help="safetensors: largest file before a new shard."),
+    max_shard_size: Optional[str] = typer.Option(
+        None, "--max-shard-size", metavar="SIZE", callback=check_size,
+        help="safetensors: largest file before a new shard (default 5GB; a .safetensors "
+             "DST is one file of any size, and refused if this would split it)."),
     max_memory: str = MaxMemOpt,
     workers: int = WorkersOpt,
     drop: Optional[List[str]] = DropOpt,
@@ -202,14 +207,19 @@ def consolidate(
     dst_option: Optional[List[str]] = DstOpt,
 ):
     """Write one full tensor per entry (safetensors, torch.save, DCP or a DeepSpeed
-    universal checkpoint), then seal it.
+    universal checkpoint), then seal it (a folder: its manifest goes last).
 
-    safetensors output follows the HF convention: model.safetensors, or
+    A folder of safetensors follows the HF convention: model.safetensors, or
     model-00001-of-0000N.safetensors + model.safetensors.index.json; files are named
     after what they hold (--only optim writes optim.safetensors). When it holds the
     model, the source folder's config.json, generation_config.json and tokenizer files
     (tokenizer*.json, special_tokens_map.json, vocab/merges, *.model) come along, listed
-    in the manifest like the weights. An object entry the safe loader refuses (what seal
+    in the manifest like the weights.
+
+    A DST ending in .safetensors (or .pt, .pth, .bin, .ckpt) is that one file, in the
+    format its extension names: written under a temporary name, fsync'd and renamed into
+    place last; no manifest and no side files (a lone file has no folder to hold them);
+    --force replaces a file, never a folder. An object entry the safe loader refuses (what seal
     refuses) is never carried: it exits 1 unless left out with --drop.
 
     --to deepspeed-universal writes DST as DeepSpeed's universal tag folder (zero/<param>/
@@ -220,7 +230,8 @@ def consolidate(
     \b
     EXAMPLES
       ckptctl consolidate ckpt/ hf/ --only model --strip-prefix model.
-      ckptctl consolidate ckpt/ model.pt --to torch --only model --dtype bf16
+      ckptctl consolidate ckpt/ model.pt --only model --dtype bf16
+      ckptctl consolidate ckpt/ out/model.safetensors --only model
       ckptctl consolidate s3://runs/llama/step-12000 hf/ --max-shard-size 2GB
       ckptctl consolidate hf-run/checkpoint-500 hf/ --include 'README.md'
       ckptctl consolidate warm:step-12000 cold:hf-12000 --only model

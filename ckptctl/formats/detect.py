@@ -24,7 +24,8 @@ from ..storage import Store
 from . import (composite, dcp, deepspeed, foreign, megatron, megatron_legacy, safetensors,
                torchsave)
 from .locate import file_format as _file_format
-from .locate import latest_tag, locate
+from .locate import latest_tag
+from .locate import locate as locate_place
 from .manifest import MANIFEST, WRITING_MARKER, read_manifest
 from .pack import PackStore, is_pack, pack_view
 from .torchfile import read_torch_zip
@@ -131,6 +132,8 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
     # another framework's layout is refused by name, never read in part (formats/foreign.py)
     fmt = foreign.refuse_if_foreign(url, files, store, single) \
         or (_file_format(single) if single else detect_format(files))
+    if fmt == "safetensors" and not single:  # two exports side by side: name one, exit 2
+        refuse_exports(url, files)
     if fmt == "deepspeed-save":  # DeepSpeed's save folder: the tag its `latest` names
         tag = latest_tag(store, files)
         if tag is None:
@@ -215,14 +218,27 @@ def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
     """Group a recursive listing into checkpoints: folders that hold a format's files,
     folders of another framework's layout (one checkpoint each, as its framework sees
     it: a DeepSpeed tag folder, a universal checkpoint with its ``zero/`` tree, a
-    Megatron ``iter_NNNNNNN`` folder, an Orbax step folder), and standalone torch.save
-    files. Key: the checkpoint's path relative to the root (``ls``, ``gc``, ``rm`` and
-    ``--force`` all group with it).
+    Megatron ``iter_NNNNNNN`` folder, an Orbax step folder), standalone torch.save files
+    and safetensors exports (:func:`~.safetensors.split_exports`: ``model.safetensors``
+    beside ``model-bf16.safetensors`` are two). Key: the checkpoint's path relative to the
+    root (``ls``, ``gc``, ``rm`` and ``--force`` all group with it).
+
+    Each file is counted once: it belongs to the nearest checkpoint folder above it, and a
+    sub-folder that is a checkpoint of its own keeps its files. Only a DCP, safetensors or
+    HF ``.bin`` folder has such sub-folders; another framework's layout, a multi-file
+    training state (which refuses a checkpoint inside it), a pack and an unfinished
+    ckptctl write own all that is below them.
 
     >>> sorted(group_checkpoints({"a/.metadata": 1, "a/__0_0.distcp": 5, "b.pt": 3,
     ...        "ds/latest": 1, "ds/global_step5/mp_rank_00_model_states.pt": 4,
     ...        "u/mp_rank_00_model_states.pt": 4, "u/zero/w/fp32.pt": 4}))
     ['a', 'b.pt', 'ds/global_step5', 'u']
+    >>> g = group_checkpoints({"model.safetensors": 8, "config.json": 1,
+    ...                        "step-1/.metadata": 1, "step-1/__0_0.distcp": 5})
+    >>> sorted(g), sorted(g[""])
+    (['', 'step-1'], ['config.json', 'model.safetensors'])
+    >>> sorted(group_checkpoints({"e/model.safetensors": 8, "e/model-bf16.safetensors": 4}))
+    ['e/model-bf16.safetensors', 'e/model.safetensors']
     """
     by_dir: dict[str, dict[str, int]] = {}
     for rel, size in files.items():
@@ -232,56 +248,97 @@ def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
     if "" in anchors:  # the root itself is one (a tag folder, a universal checkpoint)
         return {"": dict(files)}
     found: dict[str, dict[str, int]] = {}
-    folders: set[str] = set()  # checkpoint folders other than the root: files added below
+    folders: set[str] = set()  # checkpoint folders: files added below
+    whole: set[str] = set()  # those that own everything below them
 
-    def inside_one(d: str) -> bool:  # below a checkpoint folder found already (sorted first)
-        p = posixpath.dirname(d)
-        while p:
-            if p in found:
+    def inside_whole(d: str) -> bool:  # below one found already (parents sort first)
+        while d:
+            d = posixpath.dirname(d)
+            if d in whole:
                 return True
-            p = posixpath.dirname(p)
         return False
 
-    def take(d: str) -> None:
-        if d:
-            found[d] = {}
-            folders.add(d)
-        else:
-            found[d] = dict(files)
+    def take(d: str, owns_below: bool) -> None:
+        found[d] = {}
+        folders.add(d)
+        if owns_below:
+            whole.add(d)
+
+    def lone(d: str, names) -> None:
+        for f in sorted(names):
+            found[posixpath.join(d, f)] = {posixpath.join(d, f): by_dir[d][f]}
 
     for d in sorted(set(by_dir) | anchors):
-        if d and inside_one(d):
+        if inside_whole(d):
             continue
         own = by_dir.get(d, {})
         if d in anchors:
-            take(d)
+            take(d, True)
             continue
         fmt = detect_format(own)
-        if fmt == "safetensors" and MANIFEST not in own and WRITING_MARKER not in own \
-                and not _one_model(own):  # files no loader reads as one: each its own
-            for f in sorted(own):
-                if f.endswith(".safetensors") or torchsave.is_torch_file(f):
-                    found[posixpath.join(d, f)] = {posixpath.join(d, f): own[f]}
-        elif fmt in ("dcp", "safetensors", "composite", "pack") \
-                or (fmt is None and MANIFEST in own) \
-                or WRITING_MARKER in own:  # an unfinished ckptctl write is listed incomplete
-            take(d)
+        if WRITING_MARKER in own or fmt in ("composite", "pack") \
+                or (fmt is None and MANIFEST in own):  # unfinished: listed incomplete
+            take(d, True)
+        elif fmt == "safetensors":
+            model, exports = safetensors_parts(own)
+            lone(d, exports)
+            if model:
+                take(d, False)
+        elif fmt == "dcp":
+            take(d, False)
         elif fmt == "torch":
             if any(_HF_BIN.match(f) for f in own):
-                take(d)
+                take(d, False)
             else:
-                for f in own:
-                    if torchsave.is_torch_file(f):
-                        found[posixpath.join(d, f)] = {posixpath.join(d, f): own[f]}
-    if folders:  # each file to the one folder above it that is a checkpoint (no nesting)
-        for rel, size in files.items():
-            p = posixpath.dirname(rel)
-            while p:
-                if p in folders:
-                    found[p][rel] = size
-                    break
-                p = posixpath.dirname(p)
+                lone(d, [f for f in own if torchsave.is_torch_file(f)])
+    for rel, size in files.items():  # each file to the nearest checkpoint folder above it
+        if rel in found:
+            continue  # a lone file or export: a checkpoint of its own
+        p = rel
+        while p:
+            p = posixpath.dirname(p)
+            if p in folders:
+                found[p][rel] = size
+                break
     return found
+
+
+def own_files(located: tuple) -> tuple:
+    """``located`` (:func:`locate`'s answer for a folder) with the listing cut to the files
+    of the checkpoint the folder itself is, as :func:`group_checkpoints` groups them: no
+    export beside its model, no sub-folder that is a checkpoint of its own. Unchanged for a
+    lone file and for a folder that is no checkpoint itself (its reader says what it is).
+
+    >>> own_files((None, {"model.safetensors": 8, "x/.metadata": 1}, None))[1]
+    {'model.safetensors': 8}
+    """
+    store, files, single = located
+    if single:
+        return located
+    mine = group_checkpoints(files).get("")
+    if mine is None or len(mine) == len(files):
+        return located
+    return store, mine, single
+
+
+def locate(url: str, storage_options: dict | None = None, *,
+           follow_latest: bool = True) -> tuple:
+    """:func:`~.locate.locate` (store, files, single file), the listing cut to the
+    checkpoint the folder itself is (:func:`own_files`): every verb acts on the files
+    ``ls`` counts in its row, never on an export beside it or a checkpoint below it. A
+    folder of exports and no model is no checkpoint: the usage error names them
+    (:func:`refuse_exports`).
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "model.safetensors").write_bytes(b"x")
+    >>> _ = (d / "model-bf16.safetensors").write_bytes(b"y")
+    >>> locate(str(d / "model.safetensors"))[1:]
+    ({'model.safetensors': 1}, 'model.safetensors')
+    """
+    located = locate_place(url, storage_options, follow_latest=follow_latest)
+    if not located[2] and located[1]:
+        refuse_exports(url, located[1])
+    return own_files(located)
 
 
 _HF_BIN = re.compile(r"^pytorch_model(-\d+-of-\d+)?\.bin$")
@@ -302,6 +359,41 @@ def _one_model(own: dict[str, int]) -> bool:
     except UnsupportedFormatError:
         return False
     return True
+
+
+def safetensors_parts(own: dict[str, int]) -> tuple[list[str], list[str]]:
+    """(the files of the folder's one model, the files that are checkpoints of their own)
+    of a folder whose top-level files ``own`` detect as ``safetensors``: the rule of
+    :func:`~.safetensors.split_exports`; without a model, or beside a torch.save file
+    the folder reader cannot place (:func:`_one_model`), each safetensors and torch.save
+    file is its own.
+
+    >>> safetensors_parts({"model.safetensors": 8, "model-bf16.safetensors": 4, "x.pt": 1})
+    ([], ['model-bf16.safetensors', 'model.safetensors', 'x.pt'])
+    """
+    model, exports = safetensors.split_exports(own) if _one_model(own) else ([], [])
+    if not model:  # files no loader reads as one: each its own
+        exports = sorted(f for f in own if "/" not in f and (
+            f.endswith(".safetensors") or torchsave.is_torch_file(f)))
+    return model, exports
+
+
+def refuse_exports(url: str, files: dict[str, int]) -> None:
+    """For a folder of safetensors exports and no one model beside them
+    (:func:`safetensors_parts`): the usage error that names them (exit 2), as for a run's
+    root: each is a checkpoint, named by its file. Otherwise nothing (a folder whose
+    files the reader cannot place at all is refused by the reader, by name).
+
+    >>> refuse_exports("m", {"model.safetensors": 8, "model-bf16.safetensors": 4})
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: m/: holds 2 checkpoints (model.safetensors, model-bf16.safetensors), not one; name one (`ckptctl ls m/` lists them)
+    """
+    top = {f: n for f, n in files.items() if "/" not in f}
+    if detect_format(top) != "safetensors" or WRITING_MARKER in top or not _one_model(top):
+        return
+    model, exports = safetensors_parts(top)
+    if exports and not model:
+        raise several(url.rstrip("/") + "/", sorted(exports, key=natural_key))
 
 
 def refuse_if_several(url: str, files: dict[str, int]) -> None:

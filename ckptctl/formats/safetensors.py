@@ -34,6 +34,51 @@ def is_safetensors(files: dict[str, int]) -> bool:
     return any(f.endswith(".safetensors") and "/" not in f for f in files) or INDEX in files
 
 
+_INDEX_NAME = re.compile(r"^(?P<stem>.+)\.safetensors\.index\.json$")
+
+
+def split_exports(names) -> tuple[list[str], list[str]]:
+    """The one rule for a folder of safetensors files, by the names of its top-level files
+    alone (a listing decides, nothing is read): which files make up the folder's one model
+    (its index included), and which are exports of their own beside it.
+
+    * an index ``<stem>.safetensors.index.json`` and the shards named after it,
+      ``<stem>-<k>-of-<n>.safetensors`` (``<stem>.safetensors`` when there are none), are
+      the model; HF's ``save_pretrained`` and torch's consolidation write just that;
+    * shard-named files without their index are one model too, never n exports: HF shards
+      whose index is missing (complete while all n are there: the files say which
+      tensors they hold; a missing shard makes it incomplete), torch's
+      ``HuggingFaceStorageWriter(save_distributed=True)`` rank files
+      ``shard-<r>-model-<k>-of-<n>.safetensors`` (placed by ``DCP_SHARDING_INFO``);
+    * any other ``*.safetensors`` file is complete on its own: an export of its own when
+      the folder holds a model besides it or another such file (``model.safetensors``
+      beside ``model-bf16.safetensors``); a lone one is the folder's model.
+
+    Returns (model files, exports), each sorted; both empty without safetensors files.
+
+    >>> split_exports(["model.safetensors", "model-bf16.safetensors", "config.json"])
+    ([], ['model-bf16.safetensors', 'model.safetensors'])
+    >>> split_exports(["model.safetensors", "config.json"])
+    (['model.safetensors'], [])
+    >>> split_exports(["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+    ...                INDEX, "consolidated.safetensors"])[1]
+    ['consolidated.safetensors']
+    >>> split_exports([INDEX, "model.safetensors", "model-fp8.safetensors"])
+    (['model.safetensors', 'model.safetensors.index.json'], ['model-fp8.safetensors'])
+    """
+    top = [n for n in names if "/" not in n]
+    indexes = {m["stem"]: n for n in top if (m := _INDEX_NAME.match(n))}
+    shards = [n for n in top if n.endswith(".safetensors") and _SHARD_NAME.match(n)]
+    whole = [n for n in top if n.endswith(".safetensors") and n not in shards]
+    stems = {_SHARD_NAME.match(n)["stem"] for n in shards}
+    claimed = [f"{s}.safetensors" for s in indexes if s not in stems
+               and f"{s}.safetensors" in whole]
+    if not indexes and not shards and len(whole) == 1:
+        claimed = whole
+    model = sorted([*indexes.values(), *shards, *claimed])
+    return model, sorted(n for n in whole if n not in claimed)
+
+
 def parse_header(head: bytes, file_size: int, *, where: str) -> tuple[dict, int]:
     """Validate and decode a header from the first bytes of a file.
 

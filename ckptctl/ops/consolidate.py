@@ -163,9 +163,63 @@ def _out_name(name: str, strip: str | None) -> str:
     return name[len(strip):] if strip and name.startswith(strip) else name
 
 
-def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None = None,
+#: Default ``max_shard_size`` of a folder output (HF's own default); a file output is one
+#: file whatever its size unless a limit is given.
+DEFAULT_MAX_SHARD = "5GB"
+
+
+def file_target(dst: str) -> str | None:
+    """The format a destination names by its extension, when it names one file:
+    ``safetensors`` (``.safetensors``), ``torch`` (``.pt``, ``.pth``, ``.bin``, ``.ckpt``),
+    else None (a folder).
+
+    >>> file_target("out/x.safetensors"), file_target("s3://b/m.pt"), file_target("hf/")
+    ('safetensors', 'torch', None)
+    """
+    _, path = split_url(dst)
+    if path.endswith(".safetensors"):
+        return "safetensors"
+    return "torch" if path.endswith(SUFFIXES) else None
+
+
+def resolve_target(dst: str, to: str | None) -> str:
+    """The output format: ``to``, or the one ``dst``'s extension names
+    (:func:`file_target`), else safetensors (a folder in HF layout). A file extension
+    that ``to`` disagrees with is a usage error: the file would not be what its name says.
+
+    >>> resolve_target("x.pt", None), resolve_target("hf/", None), resolve_target("x.pt", "torch")
+    ('torch', 'safetensors', 'torch')
+    >>> resolve_target("x.pt", "safetensors")
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: x.pt: --to safetensors writes a .safetensors file or a folder, not a .pt file; name it x.safetensors, or leave --to out (the extension says torch)
+    """
+    named = file_target(dst)
+    if to is None:
+        return named or "safetensors"
+    if to not in TARGETS:
+        raise UsageError(f"--to must be one of {', '.join(TARGETS)}")
+    if named is None or named == to:
+        return to
+    ext = "." + dst.rstrip("/").rsplit(".", 1)[-1]
+    stem = dst.rstrip("/")[:-len(ext)]
+    if to in ("dcp", "deepspeed-universal"):
+        raise UsageError(f"--to {to} writes a folder, not a {ext} file; name a folder "
+                         f"(e.g. {stem})", dst)
+    want = ".safetensors" if to == "safetensors" else ".pt"
+    raise UsageError(f"--to {to} writes a {want} file or a folder, not a {ext} file; name it "
+                     f"{stem}{want}, or leave --to out (the extension says {named})", dst)
+
+
+def _file_place(dst: str) -> tuple[str, str]:
+    """(folder URL, file name) of a one-file destination."""
+    d = dst.rstrip("/")
+    return tuple(d.rsplit("/", 1)) if "/" in d else (".", d)
+
+
+def consolidate(src: str, dst: str, *, to: str | None = None, only: str | None = None,
                 dtype: str | None = None, strip_prefix: str | None = None,
-                max_shard_size: int | str = "5GB", max_memory: int | str = DEFAULT_MAX_MEMORY,
+                max_shard_size: int | str | None = None,
+                max_memory: int | str = DEFAULT_MAX_MEMORY,
                 workers: int = 4, storage_options: dict | None = None,
                 dst_storage_options: dict | None = None, force: bool = False,
                 on_bytes: Callable[[int], None] | None = None,
@@ -180,20 +234,31 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     safe loader refuses (the check seal makes) is refused before a byte is written
     (:class:`~ckptctl.errors.Finding`, exit 1) unless dropped.
 
-    ``dst`` must be new or empty (a new file name for ``--to torch x.pt``); ``force``
-    replaces what is there. ``--to safetensors`` names its files after what they hold
-    (``model.safetensors``; ``optim.safetensors`` for ``only="optim"``) and carries the
-    source folder's side files (:data:`SIDE_FILES`, plus ``include`` globs) when it holds
-    the model. ``group``: a :class:`~ckptctl.ops.distributed.Group` (``Group.from_env()``
-    under torchrun/srun): output file ``i`` (shards in order, then side files; DCP: the
-    one rank file; torch: the one file) is process ``i % world_size``'s, rank 0 writes the
-    index and the manifest and its result is the whole run's."""
+    ``dst`` must be new or empty; ``force`` replaces what is there. A ``dst`` ending in
+    ``.safetensors`` (or ``.pt``, ``.pth``, ``.bin``, ``.ckpt``) is that one file
+    (:func:`file_target`): ``to`` defaults to what the extension says and may not
+    disagree with it (:func:`resolve_target`); it is written under a temporary name,
+    fsync'd and renamed into place last, replacing an existing file (never a folder)
+    only with ``force``, and carries no manifest (a lone file has no folder of its own
+    to hold one) and no side files; ``max_shard_size`` that would split it is refused.
+    A folder ``--to safetensors`` names its files after what they hold
+    (``model.safetensors``; ``optim.safetensors`` for ``only="optim"``; shards of
+    ``max_shard_size``, default 5GB, with an index) and carries the source folder's side
+    files (:data:`SIDE_FILES`, plus ``include`` globs) when it holds the model.
+
+    ``group``: a :class:`~ckptctl.ops.distributed.Group` (``Group.from_env()`` under
+    torchrun/srun): output file ``i`` (shards in order, then side files; DCP: the one rank
+    file; torch or one named file: that file) is process ``i % world_size``'s, rank 0
+    writes the index and the manifest and its result is the whole run's."""
     from .distributed import Group
 
     group = group if group is not None else Group()
     t0 = time.monotonic()
-    if to not in TARGETS:
-        raise UsageError(f"--to must be one of {', '.join(TARGETS)}")
+    to = resolve_target(dst, to)
+    one_file = file_target(dst) is not None
+    if one_file and to == "safetensors" and include:
+        raise UsageError(f"--include carries side files into a folder; {dst} is one file "
+                         "(name a folder to carry them)")
     conv_to = _target_dtype(dtype)
     max_memory = parse_size(max_memory)
     check_torch("consolidate")  # before a byte is read or written (imported only if used)
@@ -232,7 +297,7 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
     if include and to != "safetensors":
         raise UsageError("--include carries side files into a --to safetensors (HF) folder "
                          f"only; --to {to} carries none")
-    side = side_files(ck, include or [], defaults=to == "safetensors"
+    side = side_files(ck, include or [], defaults=to == "safetensors" and not one_file
                       and output_stem(tensors) == "model")
     check_objects(ck, objects, workers=workers)  # before a byte is written
     plan = consolidation_plan(ck, only=set(tensors) | set(objects))
@@ -297,17 +362,18 @@ def consolidate(src: str, dst: str, *, to: str = "safetensors", only: str | None
                                  sum(n for _, n in hashes.values()),
                                  round(time.monotonic() - t0, 3), mid, dropped=gone,
                                  derived=copies)
-    if to == "torch" and group.rank != 0:  # one file: rank 0's; the others have no share
+    if (to == "torch" or one_file) and group.rank != 0:  # one file: rank 0's, no share
         return ConsolidateResult(src, dst, to, [], len(tensors), len(objects), 0,
                                  round(time.monotonic() - t0, 3), dropped=gone)
     if to == "torch":
         out = _write_torch(ck, dst, opts, tensors, objects, renamed, stream, writer,
                            out_dtype, strip_prefix, force)
     else:
+        limit = max_shard_size if max_shard_size is not None or one_file else DEFAULT_MAX_SHARD
         out = _write_safetensors(dst, opts, ck, tensors, renamed, stream, writer, out_dtype,
-                                 parse_size(max_shard_size), workers, force,
-                                 stem=output_stem(tensors), side=side, group=group,
-                                 spans_for=spans_for)
+                                 parse_size(limit) if limit is not None else None, workers,
+                                 force, stem=output_stem(tensors), side=side, group=group,
+                                 spans_for=spans_for, one_file=one_file)
     mid = out.manifest_id
     return ConsolidateResult(src, dst, to, sorted(out.hashes), len(tensors), len(objects),
                              sum(n for _, n in out.hashes.values()),
@@ -334,7 +400,9 @@ def _finish(od: OutputDir, ck: Checkpoint, hashes: dict, folder: bool) -> _Writt
 def _write_safetensors(dst, opts, ck, tensors, renamed, stream, writer, out_dtype,
                        max_shard, workers, force, *, stem: str = "model",
                        side: list[str] = (), group=None,
-                       spans_for=lambda name: None) -> _Written:
+                       spans_for=lambda name: None, one_file: bool = False) -> _Written:
+    """Write the safetensors output: a folder (shards, index, side files; sealed), or
+    with ``one_file`` the one file ``dst`` names (``max_shard`` None: no limit)."""
     entries = []
     for n in tensors:
         d = DTYPES[out_dtype(n)]
@@ -344,7 +412,10 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, writer, out_dtyp
                         d.nbytes(ck.tensors[n].numel)))
     by_out = {renamed[n]: n for n in tensors}
     entries.sort(key=lambda e: e[0])
-    shards = split_shards(entries, max_shard)
+    shards = split_shards(entries, max_shard) if max_shard is not None else [entries]
+    if one_file:
+        return _write_one_safetensors(dst, opts, ck, shards, by_out, stream, writer,
+                                      spans_for, force)
     names = shard_names(len(shards), stem)
     from .distributed import Group, write_shared
 
@@ -359,24 +430,8 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, writer, out_dtyp
 
     def one(job):
         shard, fname = job
-        names = [by_out[e[0]] for e in shard]
-        # bytes stored as they go out (raw dim-0 shards, no cast) are copied in the kernel
-        spans = {n: spans_for(n) for n in names} if od.store.is_local else {}
-        s = stream([n for n in names if spans.get(n) is None], nstreams, _staged(od))
-
-        def items(out: str):
-            sp = spans.get(by_out[out])
-            return sp if sp is not None else s.blocks(by_out[out])
-
-        with od.open(fname) as f:
-            w = writer(f, nstreams, spans=any(spans.values()))
-            try:
-                write_file(w, shard, items, {"format": "pt"})
-                result = w.result()
-            finally:
-                if isinstance(w, SpanWriter):
-                    w.close()
-        return fname, result
+        return fname, _write_shard(od, shard, fname, by_out, stream, writer, spans_for,
+                                   nstreams)
 
     def write() -> dict:
         hashes = dict(od.map(one, mine, nstreams))
@@ -402,14 +457,54 @@ def _write_safetensors(dst, opts, ck, tensors, renamed, stream, writer, out_dtyp
     return _Written(od.store, {rel: (d, n) for rel, (d, n) in done["hashes"].items()}, True)
 
 
+def _write_shard(od: OutputDir, shard, fname: str, by_out: dict, stream, writer, spans_for,
+                 nstreams: int) -> tuple[str, int]:
+    """Write one safetensors file of ``od``; its (digest, size)."""
+    names = [by_out[e[0]] for e in shard]
+    # bytes stored as they go out (raw dim-0 shards, no cast) are copied in the kernel
+    spans = {n: spans_for(n) for n in names} if od.store.is_local else {}
+    s = stream([n for n in names if spans.get(n) is None], nstreams, _staged(od))
+
+    def items(out: str):
+        sp = spans.get(by_out[out])
+        return sp if sp is not None else s.blocks(by_out[out])
+
+    with od.open(fname) as f:
+        w = writer(f, nstreams, spans=any(spans.values()))
+        try:
+            write_file(w, shard, items, {"format": "pt"})
+            return w.result()
+        finally:
+            if isinstance(w, SpanWriter):
+                w.close()
+
+
+def _write_one_safetensors(dst, opts, ck, shards, by_out, stream, writer, spans_for,
+                           force) -> _Written:
+    """``consolidate ... x.safetensors``: the one file ``dst`` names, written under a
+    temporary name and renamed into place once durable (:class:`OutputDir`'s
+    ``single_file``); no manifest, as for a lone ``x.pt``. A limit that splits the model
+    is refused before a byte is written."""
+    if len(shards) > 1:
+        total = sum(e[3] for sh in shards for e in sh)
+        raise UsageError(f"--max-shard-size splits the output into {len(shards)} files "
+                         f"({total} bytes of tensors), but {dst} is one file: leave "
+                         "--max-shard-size out, or name a folder for shards and an index", dst)
+    folder, fname = _file_place(dst)
+    od = OutputDir(open_store(folder, opts), command="consolidate --to safetensors",
+                   force=force, single_file=fname, source=ck.root)
+    with od:
+        result = _write_shard(od, shards[0], fname, by_out, stream, writer, spans_for, 1)
+        return _finish(od, ck, {fname: result}, False)
+
+
 def _write_torch(ck, dst, opts, tensors, objects, renamed, stream, writer, out_dtype,
                  strip, force) -> _Written:
     from ..formats.torchwrite import TensorRef, TorchZipWriter, lift_tensors, pickle_state
 
-    _, path = split_url(dst)
-    single_file = path.endswith(SUFFIXES)
+    single_file = file_target(dst) == "torch"
     if single_file:
-        folder, fname = dst.rstrip("/").rsplit("/", 1) if "/" in dst.rstrip("/") else (".", dst)
+        folder, fname = _file_place(dst)
         od = OutputDir(open_store(folder, opts), command="consolidate --to torch",
                        force=force, single_file=fname, source=ck.root)
     else:

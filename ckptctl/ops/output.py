@@ -181,9 +181,11 @@ class _OutFile:
 class OutputDir:
     """The destination of one writer run; a context manager. See the module docstring.
 
-    ``single_file``: the output is one file in an existing folder (``consolidate --to
-    torch x.pt``): no marker; the file is written under a temp name and renamed into
-    place, replacing an older one only with ``force``.
+    ``single_file``: the output is one file in a folder (``consolidate ... x.pt``,
+    ``x.safetensors``): no marker (nothing else is in flight beside it); the file is
+    written under a temporary name (locally ``.<name>.partial``; S3 completes its upload
+    at once), fsync'd, renamed into place and the folder synced, replacing an older file
+    only with ``force`` and never a folder.
     """
 
     def __init__(self, store: Store, *, command: str, force: bool = False,
@@ -206,9 +208,7 @@ class OutputDir:
             raise UsageError(f"destination {store.display(self.single_file or '')} overlaps "
                              f"the source {self.source}; choose another place")
         if self.single_file is not None:
-            if store.exists(self.single_file) and not self.force:
-                raise UsageError(f"destination {store.display(self.single_file)} exists; "
-                                 "choose a new name or pass --force to replace it")
+            self._check_file()
             return self
         self._existed = store.exists()
         files = store.list_files() if self._existed else {}
@@ -243,6 +243,19 @@ class OutputDir:
             self._cleanup()
             raise
         return self
+
+    def _check_file(self) -> None:
+        """A one-file output replaces a file of that name only with ``force``, and never a
+        folder (``x.safetensors/`` left by an older ckptctl, or anyone's)."""
+        store, rel = self.store, self.single_file
+        if not store.exists(rel):
+            return
+        if store.isdir(rel):
+            raise UsageError(f"destination {store.display(rel)} is a folder, and this output "
+                             "is one file; choose a new name, or remove the folder first")
+        if not self.force:
+            raise UsageError(f"destination {store.display(rel)} exists; choose a new name "
+                             "or pass --force to replace it")
 
     def join(self) -> "OutputDir":
         """Enter as a helper process of a distributed run (:mod:`ckptctl.ops.distributed`):

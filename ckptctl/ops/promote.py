@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
-from ..formats.locate import locate
+from ..formats.detect import locate  # the checkpoint's own files, as ls counts them
 from ..formats.locate import refuse_save_folder
 from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest, is_control_file
 from ..storage import open_store
