@@ -275,7 +275,7 @@ def test_drain_signal_during_a_backlog_commits_the_newest_and_exits_0(tmp_path):
     out, err = _drain_when(tmp_path, cfg, lambda st: len(st.get("queued") or []) == 3,
                            "--settle", "3600")
     assert _names(str(warm)) == {"step-300": "sealed"}  # the newest, ahead of the backlog
-    assert "drained step-300: hot -> warm" in out
+    assert out == ""  # --log-format json: the JSON log alone, no text copy on stdout
     drained = [json.loads(x) for x in err.splitlines() if x.startswith("{")]
     assert any(e["event"] == "promoted" and e["name"] == "step-300" for e in drained)
 

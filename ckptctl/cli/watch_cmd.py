@@ -9,16 +9,18 @@ import typer
 
 from ..errors import EXIT_FINDING
 from .app import app
-from .common import (JsonOpt, QuietOpt, emit_json, human_bytes, human_rate, human_seconds, plural,
-                     say)
+from .common import (SCHEMA_VERSION, JsonOpt, QuietOpt, emit_json, human_bytes, human_rate,
+                     human_seconds, plural, say)
 
 
 @app.command()
 def watch(
     ctx: typer.Context,
     once: bool = typer.Option(False, "--once",
-                              help="One pass, then exit: 0 when everything is drained, 1 "
-                                   "when something is still pending or failed (for cron)."),
+                              help="One pass, then exit (for cron): 0 when nothing failed "
+                                   "and whatever is left is on its way (settling, or "
+                                   "waiting for the next tier; the summary says which), 1 "
+                                   "when a step failed or a checkpoint is incomplete."),
     interval: float = typer.Option(60.0, "--interval", min=0.1, metavar="S",
                                    help="Seconds between passes (a change in a local first "
                                         "tier wakes the loop sooner)."),
@@ -54,7 +56,8 @@ def watch(
         "text", "--log-format", metavar="FORMAT",
         help="text (a summary per pass on stdout) or json (one JSON line per event on "
              "stderr, as it happens: time, level, event, tier, name, step, bytes, "
-             "seconds, reason)."),
+             "seconds, reason; nothing else is printed, stdout stays empty unless "
+             "--json)."),
     drain_signal: str = typer.Option(
         "USR1", "--drain-signal", metavar="SIG",
         help="On this signal, promote the newest checkpoint of the first tier to the next "
@@ -91,7 +94,10 @@ def watch(
     config file names it (a second one exits 2 naming the running one's pid and config;
     --status shows the running one's status). SIGTERM or Ctrl-C stops after the
     current part, saves the status and exits 0. With --json the loop prints one JSON
-    document per pass (JSON lines).
+    document per pass (JSON lines). --once exits 0 when nothing failed and what is
+    still pending only settles or waits for the next tier (settling is no failure: its
+    summary says how long the newest has been unchanged), 1 on a failure or an
+    incomplete checkpoint.
 
     As a service: under systemd Type=notify (NOTIFY_SOCKET) watch sends READY=1 once
     the first tier is listed, STATUS= lines, WATCHDOG=1 at half of WatchdogSec while it
@@ -104,7 +110,7 @@ def watch(
     \b
     EXAMPLES
       ckptctl watch --config ckptctl.toml       # loop, low priority
-      ckptctl watch --once --settle 0 --json    # cron: exit 1 while not drained
+      ckptctl watch --once --settle 0 --json    # cron: exit 1 on a failure
       ckptctl watch --status
       ckptctl watch --node-rank 1               # multi-node
       ckptctl watch --metrics-file /var/lib/ckptctl.prom --log-format json
@@ -146,7 +152,7 @@ def watch(
             emit_json({"config": ran.path, "alive": pid is not None, "pid": pid,
                        "status": doc, "plan": figures.to_dict() if figures else None})
         elif not quiet:
-            _print_status(ran.path, doc, pid)
+            _print_status(ran.path, doc, pid, rates=figures is None)
             _print_plan(figures)
         return
     from ..ops.sdnotify import Notifier
@@ -155,6 +161,9 @@ def watch(
     if log_format not in ("text", "json"):
         raise UsageError(f"--log-format {log_format}: expected text or json")
     signum = parse_signal(drain_signal)
+    # a service's journal records stdout and stderr both: with the JSON log on stderr,
+    # a text line for the same event on stdout would be logged twice
+    text_quiet = quiet or log_format == "json"
     if not no_nice:
         lower_priority()
     w = Watcher(config, settle=settle, node_rank=node_rank)
@@ -176,14 +185,14 @@ def watch(
                 if not drain.requested:
                     raise
             if not drain.requested:
-                _report(p, json, quiet)
-                if not p.drained:
+                _report(p, json, text_quiet, settle, lines=False)
+                if not p.ok:
                     raise typer.Exit(EXIT_FINDING)
                 return
         else:
             def report(p):
                 if json or p.promoted or p.failed or any(p.removed.values()):
-                    _report(p, json, quiet)
+                    _report(p, json, text_quiet, settle, lines=True)
 
             previous = _stop_between_passes(w, wake, stop)
             try:
@@ -195,9 +204,9 @@ def watch(
                 if previous is not None:
                     signal.signal(signal.SIGTERM, previous)
         if drain.requested:
-            _drain(w, notifier, json, quiet)
+            _drain(w, notifier, json, text_quiet, lines=not once)
             return
-        say("watch: stopped (status saved)", quiet=quiet or json)
+        say("watch: stopped (status saved)", quiet=text_quiet or json)
     finally:
         drain.restore()
         heartbeat.stop()
@@ -224,7 +233,7 @@ def _serve(w, config, notifier, metrics_file, metrics_addr, log_format):
         from ..ops.metrics import WatchMetrics
 
         m = WatchMetrics(names, path=metrics_file, addr=metrics_addr,
-                         warn=lambda msg: print(f"ckptctl: warning: {msg}", file=sys.stderr))
+                         warn=_warner(log_format))
         m.write()
         w.listeners.append(m.observe)
     if notifier.enabled:
@@ -235,20 +244,67 @@ def _serve(w, config, notifier, metrics_file, metrics_addr, log_format):
     return hb, m
 
 
-def _report(p, json: bool, quiet: bool) -> None:
+def _warner(log_format: str):
+    """How the service warns: a ``ckptctl: warning:`` line on stderr, or with the JSON
+    log one JSON line there like every event (level ``warning``).
+
+    >>> import contextlib, io; err = io.StringIO()
+    >>> with contextlib.redirect_stderr(err):
+    ...     _warner("json")("metrics file: disk full")
+    >>> err.getvalue().rstrip().endswith('"level": "warning", "event": "warning", '
+    ...                                  '"reason": "metrics file: disk full"}')
+    True
+    """
+    def warn(msg: str) -> None:
+        if log_format == "json":
+            import json
+            import time
+
+            from ..ops.watch import iso_time
+
+            line = {"time": iso_time(time.time()), "level": "warning", "event": "warning",
+                    "reason": msg}
+            sys.stderr.write(json.dumps(line) + "\n")
+            sys.stderr.flush()
+        else:
+            print(f"ckptctl: warning: {msg}", file=sys.stderr)
+
+    return warn
+
+
+def _report(p, json: bool, quiet: bool, settle: float, *, lines: bool) -> None:
+    """A pass on stdout: its --json document (``lines``: on one line, the loop's JSON
+    lines), else its summary in words unless ``quiet``."""
     if json:
-        emit_json(p.to_dict())
+        _emit(p.to_dict(), lines)
     elif not quiet:
-        _print_pass(p)
+        _print_pass(p, settle)
 
 
-def _drain(w, notifier, json: bool, quiet: bool) -> None:
+def _emit(doc: dict, line: bool) -> None:
+    """A --json document, as every verb prints it, or (``line``) on a single line: one
+    journal record per document when a service manager logs stdout.
+
+    >>> _emit({"drained": True}, True)
+    {"schema_version": 2, "drained": true}
+    """
+    if not line:
+        emit_json(doc)
+        return
+    import json
+
+    sys.stdout.write(json.dumps({"schema_version": SCHEMA_VERSION, **doc}, default=str)
+                     + "\n")
+    sys.stdout.flush()
+
+
+def _drain(w, notifier, json: bool, quiet: bool, *, lines: bool) -> None:
     """The drain signal came: the newest checkpoint of the first tier to the next tier,
     then exit 0 (1 when it failed)."""
     notifier.status("draining the newest checkpoint (pre-emption)")
     p, name = w.drain_newest()
     if json:
-        emit_json({**p.to_dict(), "drain": name})
+        _emit({**p.to_dict(), "drain": name}, lines)
     elif not quiet:
         if name is None:
             say("watch: drain signal: no committed checkpoint in the first tier")
@@ -280,7 +336,7 @@ def _stop_between_passes(w, wake, stop):
     return signal.signal(signal.SIGTERM, on_term)
 
 
-def _print_pass(p) -> None:
+def _print_pass(p, settle: float) -> None:
     for h in p.promoted:
         say(f"{h.action} {h.name}: {h.src} -> {h.dst} ({human_bytes(h.bytes)}"
             + (f", {human_bytes(int(h.rate))}/s" if h.bytes_sent else "") + ")")
@@ -291,8 +347,36 @@ def _print_pass(p) -> None:
         say(f"failed {f.what} {f.tier}" + (f":{f.name}" if f.name else "")
             + f": {f.message} (attempt {f.attempts}, next retry {_when(f.next_retry)})")
     say(f"{plural(len(p.promoted), 'hop')}, {sum(map(len, p.removed.values()))} removed, "
-        f"{len(p.pending)} pending, {len(p.failed)} failed"
+        f"{pending_words(p.pending, p.unchanged, settle)}, {len(p.failed)} failed"
         + (": drained" if p.drained else ""))
+
+
+def pending_words(pending: list[dict], unchanged: dict[str, float], settle: float) -> str:
+    """What a pass left pending, by reason, in the order they came: settling ones with how
+    long the newest has been unchanged (``unchanged``: name -> seconds), of the
+    ``--settle`` it needs.
+
+    >>> pending_words([], {}, 30)
+    '0 pending'
+    >>> s = {"tier": "hot", "why": "settling"}
+    >>> pending_words([{**s, "name": "a"}, {**s, "name": "b"}], {"a": 50.0, "b": 12.4}, 60)
+    '2 pending: settling (newest unchanged for 12 s; --settle 60)'
+    >>> pending_words([{**s, "name": "a"}, {"tier": "hot", "name": "b", "why": "incomplete"}],
+    ...               {}, 60)
+    '2 pending: 1 settling (--settle 60), 1 incomplete'
+    """
+    groups: dict[str, list[dict]] = {}
+    for x in pending:
+        groups.setdefault(x["why"], []).append(x)
+    words = []
+    for why, xs in groups.items():
+        word = why if len(groups) == 1 else f"{len(xs)} {why}"
+        if why == "settling":
+            ages = [unchanged[x["name"]] for x in xs if x["name"] in unchanged]
+            word += (f" (newest unchanged for {min(ages):.0f} s; " if ages else " (") \
+                + f"--settle {settle:g})"
+        words.append(word)
+    return f"{len(pending)} pending" + (": " + ", ".join(words) if words else "")
 
 
 def _when(ts: float) -> str:
@@ -301,7 +385,9 @@ def _when(ts: float) -> str:
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).strftime("%H:%M:%SZ")
 
 
-def _print_status(path: str, doc: dict | None, pid: int | None) -> None:
+def _print_status(path: str, doc: dict | None, pid: int | None, *, rates: bool) -> None:
+    """The status document in words; ``rates``: each hop's measured rate too (when no
+    plan figures follow: their hop table shows that same rate, once)."""
     if doc is None:
         say(f"no watch has run for {path}" + (f" (pid {pid} holds its lock)" if pid else ""))
         return
@@ -326,8 +412,9 @@ def _print_status(path: str, doc: dict | None, pid: int | None) -> None:
     for key, f in sorted((doc.get("failed") or {}).items()):
         say(f"failed: {key}: {f['message']} (attempt {f['attempts']}, next retry "
             f"{_when(f['next_retry'])})")
-    for pair, rate in sorted((doc.get("rates") or {}).items()):
-        say(f"rate: {pair} {human_bytes(int(rate))}/s")
+    for pair, rate in sorted((doc.get("rates") or {}).items()) if rates else ():
+        src, _, dst = pair.partition("->")
+        say(f"rate: {src} -> {dst} {human_rate(rate)} (measured on its newest hop)")
 
 
 def _print_plan(r) -> None:

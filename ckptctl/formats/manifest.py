@@ -22,6 +22,9 @@ MAX_MANIFEST_BYTES = 256 << 20
 #: Written first and removed last by every ckptctl writer (ops/output.py): while it is
 #: there, the folder is an unfinished write whatever else it holds.
 WRITING_MARKER = ".ckptctl-writing"
+#: A local promote builds ``.NAME`` + this beside its destination and renames it into
+#: place last: one killed leaves only that folder (``verify`` of the destination says so).
+PROMOTE_WORK_SUFFIX = ".ckptctl-promote"
 #: A pin (``ckptctl pin``): kept by ``gc`` and ``rm``; it belongs to one place, so it is not
 #: part of the checkpoint's content (never in a manifest, never copied by ``promote``).
 PIN_FILE = ".ckptctl-pinned"

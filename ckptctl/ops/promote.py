@@ -47,7 +47,8 @@ from typing import Callable
 from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
 from ..formats.detect import locate  # the checkpoint's own files, as ls counts them
 from ..formats.locate import refuse_save_folder
-from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest, is_control_file
+from ..formats.manifest import (MANIFEST, PIN_FILE, PROMOTE_WORK_SUFFIX, WRITING_MARKER,
+                                Manifest, is_control_file)
 from ..storage import open_store
 from ..storage.journal import Journal, journal_path_for
 from ..storage.ratelimit import RateLimiter, parse_rate
@@ -58,7 +59,7 @@ from .commit import commit, is_format_marker, write_order
 
 #: The journal of a local destination, inside the hidden work folder.
 JOURNAL = ".ckptctl-promote.jsonl"
-WORK_SUFFIX = ".ckptctl-promote"
+WORK_SUFFIX = PROMOTE_WORK_SUFFIX
 
 
 @dataclass

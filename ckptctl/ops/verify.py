@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .._deps import MissingDependencyError
-from ..errors import (CkptError, FormatError, ProblemCode, StorageError, UnsupportedFormatError,
-                      UsageError)
+from ..errors import (CkptError, FormatError, NotFoundError, ProblemCode, StorageError,
+                      UnsupportedFormatError, UsageError)
 from ..formats import dcp
 from ..formats.detect import locate, open_checkpoint, resolve_step
 from ..formats.locate import refuse_save_folder
@@ -36,7 +36,7 @@ from ..formats.megatron import INTEGRITY
 from ..formats.manifest import (MANIFEST, WRITING_MARKER, is_control_file, is_temp_name,
                                 read_manifest, writer_unfinished)
 from ..model import Checkpoint, TensorEntry
-from ..storage import normalize_algo
+from ..storage import normalize_algo, open_store
 from .closure import classify, parse_parts
 
 LEVELS = ("quick", "structure", "full")
@@ -88,6 +88,97 @@ class VerifyResult:
         every verb uses for a checkpoint's file count (README, "JSON vocabulary")."""
         return {("num_files" if k == "files_checked" else k): v
                 for k, v in asdict(self).items()}
+
+
+#: The ckptctl writers a writing marker can name (its ``command``'s first word) whose fix
+#: is not a rerun with --force: (how to name it, what to say). A promote resumes; a
+#: removal is finished by rm; a pack's re-root by the gc (or watch) of its tier. The
+#: others (reshard, consolidate, pack, unpack) start over, and only with --force, which
+#: replaces nothing but such an unfinished write.
+_RESUME = {
+    "promote": ("a promote", "did not finish: rerun the same promote to resume it (it "
+                "sends only what is missing; removing the folder would discard what it "
+                "sent)"),
+    "rm": ("a `ckptctl rm`", "did not finish removing it: rerun the rm to finish"),
+    "gc": ("a `ckptctl gc`", "did not finish removing it: `ckptctl rm` it to finish"),
+    "reroot": ("a re-root of this pack (gc of a pack tier)", "did not finish: rerun the gc "
+               "(or watch) of its tier, which finishes it"),
+}
+#: A marker's size past which it is not read (a writer's is a hundred bytes or so).
+_MARKER_MAX = 64 << 10
+
+
+def unfinished_writer(store, files: dict[str, int]) -> str:
+    """What verify says of a folder that a ckptctl writer holds (``.ckptctl-writing``):
+    which command wrote it, by whom and since when, as its marker says (one small read),
+    whether that writer still runs (this host only), and the fix that keeps the work done
+    (:data:`_RESUME`): a promote resumes, a reshard or consolidate starts over with
+    --force.
+
+    >>> import json, tempfile
+    >>> from ckptctl.storage import open_store
+    >>> st = open_store(tempfile.mkdtemp())
+    >>> st.write_atomic(".ckptctl-writing", json.dumps({"command": "promote", "pid": 1,
+    ...     "host": "node7", "started": "2026-01-01T00:00:00Z"}).encode())
+    >>> print(unfinished_writer(st, st.list_files()))
+    a promote (pid 1 on node7, started 2026-01-01T00:00:00Z) did not finish: rerun the same \
+promote to resume it (it sends only what is missing; removing the folder would discard what it sent)
+    >>> st.write_atomic(".ckptctl-writing", json.dumps({"command": "reshard"}).encode())
+    >>> print(unfinished_writer(st, st.list_files()))
+    a `ckptctl reshard` did not finish: rerun with --force to start it over (it does not \
+resume; --force replaces only such an unfinished write)
+    >>> st.write_atomic(".ckptctl-writing", b"{}")
+    >>> print(unfinished_writer(st, st.list_files()))
+    a ckptctl writer did not finish: rerun with --force the command that wrote it, to start \
+it over (a promote: rerun it as it was, it resumes)
+    """
+    doc = _marker_doc(store, files)
+    command = doc.get("command") if isinstance(doc.get("command"), str) else None
+    verb = command.split()[0] if command and command.split() else None
+    pid = f"pid {doc['pid']}" + (f" on {doc['host']}" if doc.get("host") else "") \
+        if doc.get("pid") else ""
+    who = ", ".join(x for x in (pid, f"started {doc['started']}" if doc.get("started")
+                                else "") if x)
+    what = (_RESUME[verb][0] if verb in _RESUME else f"a `ckptctl {command}`" if verb
+            else "a ckptctl writer") + (f" ({who})" if who else "")
+    if _still_running(store, doc):
+        return f"{what} is still at work on it: wait for it to finish"
+    if verb in _RESUME:
+        return f"{what} {_RESUME[verb][1]}"
+    if verb:
+        return (f"{what} did not finish: rerun with --force to start it over (it does not "
+                "resume; --force replaces only such an unfinished write)")
+    return (f"{what} did not finish: rerun with --force the command that wrote it, to start "
+            "it over (a promote: rerun it as it was, it resumes)")
+
+
+def _marker_doc(store, files: dict[str, int]) -> dict:
+    """The writing marker's JSON (``{}`` when it is too large, unreadable or not a JSON
+    object: a torn write says nothing); an I/O failure raises (exit 3)."""
+    import json
+
+    if files.get(WRITING_MARKER, 0) > _MARKER_MAX:
+        return {}
+    try:
+        doc = json.loads(store.read(WRITING_MARKER))
+    except StorageError:
+        raise
+    except (CkptError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _still_running(store, doc: dict) -> bool:
+    """Does the marker name a ckptctl process that still runs on this host (not this
+    one: a writer that failed in this process has stopped)?"""
+    import os
+    import socket
+
+    from .output import live_writer
+
+    if doc.get("host") != socket.gethostname() or doc.get("pid") == os.getpid():
+        return False  # another host's cannot be checked from here; this process verifies
+    return live_writer(store) is not None
 
 
 def base_unrestorable(ps, storage_options: dict | None = None,
@@ -165,7 +256,12 @@ class _Checker:
     def quick(self):
         from ..formats.pack import pack_view  # ls hands over a pack folder's own listing
 
-        located = pack_view(self.located or locate(self.url, self.opts), self.opts)
+        try:
+            located = pack_view(self.located or locate(self.url, self.opts), self.opts)
+        except NotFoundError:
+            if self._promote_underway():
+                return
+            raise
         refuse_save_folder(located, self.url, "verify")
         store, files, single = located
         self.store, self.files = store, files
@@ -181,7 +277,7 @@ class _Checker:
         if not single and writer_unfinished(files):  # killed, or still writing: nothing to check
             from ..formats.detect import detect_format
 
-            self.add("NOT_COMMITTED", "a ckptctl writer did not finish; rerun with --force",
+            self.add("NOT_COMMITTED", unfinished_writer(store, files),
                      path=store.display(WRITING_MARKER))
             self.result.format = detect_format(files)
             self.manifest = None
@@ -234,6 +330,31 @@ class _Checker:
         self._extents_inside_files()
         self._base_chain()
         self._step_entry()
+
+    def _promote_underway(self) -> bool:
+        """A local destination that is not there, beside the work folder of a promote
+        into it (``.NAME.ckptctl-promote``: a local promote publishes by renaming it, so
+        one killed leaves only that): NOT_COMMITTED, saying to rerun the promote, which
+        resumes from it. False when there is no such folder (the place is just absent)."""
+        import os
+
+        from ..formats.manifest import PROMOTE_WORK_SUFFIX as WORK_SUFFIX
+
+        if "://" in self.url and not self.url.startswith("file://"):
+            return False
+        parent, name = os.path.split(self.url.removeprefix("file://").rstrip("/"))
+        work = os.path.join(parent, f".{name}{WORK_SUFFIX}")
+        if not name or not os.path.isdir(work):
+            return False
+        store = open_store(work)
+        files = store.list_files_if_any()
+        if WRITING_MARKER in files:
+            why = unfinished_writer(store, files)
+        else:  # killed before its marker: the folder is a promote's all the same
+            why = " ".join(_RESUME["promote"])
+        self.add("NOT_COMMITTED", f"nothing committed here yet: {why}",
+                 path=store.display(WRITING_MARKER) if WRITING_MARKER in files else work)
+        return True
 
     def _base_chain(self):
         """A delta pack is restorable only while its base chain is: MISSING_BASE names
@@ -629,8 +750,10 @@ class _Checker:
                 continue
             read += 1
             if sealed and digest != self.manifest.files[rel].hash:
-                self.add("HASH_MISMATCH", f"content hash differs from the manifest ({algo})",
-                         path=store.display(rel))
+                damaged = self._damaged(rel, rel in torch_files)
+                self.add("HASH_MISMATCH", f"content hash differs from the manifest ({algo})"
+                         + damage_words(damaged), path=store.display(rel),
+                         entry=damaged[0] if damaged and len(damaged) == 1 else None)
             if integrity and rel in integrity and digest != integrity[rel]:
                 self.add("HASH_MISMATCH", "SHA-256 differs from the one Megatron's "
                          "integrity.json records", path=store.display(rel))
@@ -672,6 +795,65 @@ class _Checker:
             plain = [rel for rel in files if rel not in crc_files]
             self.result.content = ("crc" if not plain else "decoded-only" if not crc_files
                                    else "crc+decoded-only")
+
+    def _damaged(self, rel: str, torch_file: bool) -> list[str] | None:
+        """After ``rel`` failed its content hash: the entries whose bytes are damaged, by
+        the format's own checks, as an unsealed full verify runs them (the CRC-32 of every
+        zip record of its DCP chunks and objects, of a torch.save file's records, zstd
+        chunks decoded). A second read, of this file alone; None when nothing in it
+        carries a checksum (safetensors, a file the format does not name)."""
+        from ..formats.tensorio import zip_entries
+        from ..model import Extent
+        from .scan import ZipCrc, scan_file
+
+        ck, where = self.ck, self.store.display(rel)
+        regions, bad = [], []
+        for e, ext in [(t, c.extent) for t in ck.tensors.values() for c in t.chunks] \
+                + [(o, o.extent) for o in ck.objects.values() if o.extent is not None]:
+            if ext.file == rel and ext.encoding == "torch_zip":
+                entries = _or_none(zip_entries, ck, ext)
+                if entries is None:  # its zip's directory is what no longer parses
+                    bad.append(f"{e.name} (its zip directory)")
+                else:
+                    regions.append((ZipCrc(ext.offset, ext.offset + ext.length, entries,
+                                           where), e.name))
+        zstd = [(t, c) for t in ck.tensors.values() for c in t.chunks
+                if c.extent.file == rel and c.extent.encoding == "torch_zip+zstd"]
+        if torch_file:  # a whole torch.save zip: its records name no entry
+            entries = _or_none(zip_entries, ck, Extent(rel, 0, self.files[rel]))
+            if entries is not None:
+                regions.append((ZipCrc(0, self.files[rel], entries, where), None))
+        if not regions and not zstd and not bad:
+            return None
+        try:
+            if regions:
+                scan_file(self.store, rel, [r for r, _ in regions])
+        except StorageError:
+            raise
+        except CkptError:  # a pack's chunk that no longer decodes: what was found so far
+            return list(dict.fromkeys(bad)) or None
+        bad += [x for r, name in regions if r.bad
+                for x in ([name] if name else [f"zip record {b}" for b in r.bad])]
+        bad += [t.name for t, c in zstd if self._zstd_damaged(t, c)]
+        return list(dict.fromkeys(bad))
+
+    def _zstd_damaged(self, t, c) -> bool:
+        """Does a zstd chunk fail to decode, or one of its zip records its CRC-32?"""
+        from ..formats.tensorio import open_zstd_chunk
+
+        try:
+            z = open_zstd_chunk(self.ck, t, c, crc=True)
+            try:
+                while z.read(4 << 20):
+                    pass
+                z.finish()
+                return bool(z.bad_records)
+            finally:
+                z.close()
+        except StorageError:
+            raise
+        except CkptError:
+            return True
 
     def _count(self, name: str, counts: dict) -> None:
         if counts["nan"] or counts["inf"]:
@@ -750,6 +932,29 @@ class _Checker:
             + getattr(self, "_other_bytes", 0)
         r.seconds = round(time.monotonic() - t0, 3)
         return r
+
+
+def damage_words(damaged: list[str] | None, shown: int = 3) -> str:
+    """HASH_MISMATCH's tail: which entries the damaged bytes are in (``damaged``, from the
+    format's own CRC-32s), or that every record still matches; "" when the file carries
+    no checksum (None).
+
+    >>> damage_words(["model.w"])
+    '; the damaged bytes are in model.w (CRC-32 of its zip record)'
+    >>> damage_words(["a", "b", "c", "d"])
+    '; the damaged bytes are in a, b, c (+1 more) (CRC-32 of their zip records)'
+    >>> damage_words(None), damage_words([])[:52]
+    ('', '; the CRC-32 of every zip record in it still matches')
+    """
+    if damaged is None:
+        return ""
+    if not damaged:
+        return ("; the CRC-32 of every zip record in it still matches: the damage is "
+                "outside the entries' data (zip headers), or the manifest was changed")
+    names = ", ".join(damaged[:shown]) + (f" (+{len(damaged) - shown} more)"
+                                          if len(damaged) > shown else "")
+    return (f"; the damaged bytes are in {names} (CRC-32 of "
+            + ("its zip record)" if len(damaged) == 1 else "their zip records)"))
 
 
 class _Both:

@@ -97,16 +97,32 @@ class WatchPass:
     failed: list[Failure] = field(default_factory=list)
     #: tier -> age in seconds of the newest checkpoint not yet committed there (0: none)
     behind: dict[str, float] = field(default_factory=dict)
+    #: name -> seconds the listing of a ``settling`` one has been unchanged, as watch saw
+    #: it (it is taken at ``settle`` seconds)
+    unchanged: dict[str, float] = field(default_factory=dict)
 
     @property
     def drained(self) -> bool:
-        """Nothing pending and nothing failed (``--once`` exits 0)."""
+        """Nothing pending and nothing failed."""
         return not self.pending and not self.failed
+
+    @property
+    def ok(self) -> bool:
+        """Nothing failed, and whatever is pending is on its way (:func:`on_its_way`):
+        ``--once`` exits 0.
+
+        >>> WatchPass(0.0, pending=[{"tier": "hot", "name": "s-1", "why": "settling"}]).ok
+        True
+        >>> WatchPass(0.0, pending=[{"tier": "hot", "name": "s-1", "why": "incomplete"}]).ok
+        False
+        """
+        return not self.failed and all(on_its_way(x["why"]) for x in self.pending)
 
     def to_dict(self) -> dict:
         return {
             "started": iso_time(self.started), "seconds": round(self.seconds, 3),
-            "drained": self.drained, "found": list(self.found), "sealed": list(self.sealed),
+            "drained": self.drained, "ok": self.ok, "found": list(self.found),
+            "sealed": list(self.sealed),
             "promoted": [{**asdict(h), "bytes_per_second": round(h.rate)}
                          for h in self.promoted],
             "kept": {k: list(v) for k, v in self.kept.items()},
@@ -114,6 +130,7 @@ class WatchPass:
             "pending": [dict(p) for p in self.pending],
             "failed": [{**asdict(f), "next_retry": iso_time(f.next_retry)} for f in self.failed],
             "newest_pending_age_seconds": {k: round(v, 3) for k, v in self.behind.items()},
+            "unchanged_seconds": dict(self.unchanged),
         }
 
     def queued(self, tiers: list[str]) -> dict[str, int]:
@@ -122,6 +139,34 @@ class WatchPass:
         for x in self.pending:
             out[x["tier"]] = out.get(x["tier"], 0) + 1
         return out
+
+
+def on_its_way(why: str) -> bool:
+    """Is a pending checkpoint's reason (``why``) one that time alone resolves, not a
+    problem: ``settling`` (complete, its listing not yet unchanged for ``--settle``
+    seconds), or ``waiting for`` the next tier or the other nodes? An ``incomplete`` or
+    ``corrupt`` one is not: a save that died stays so.
+
+    >>> on_its_way("settling"), on_its_way("waiting for warm"), on_its_way("incomplete")
+    (True, True, False)
+    """
+    return why == "settling" or why.startswith("waiting for ")
+
+
+def drain_rate(nbytes: int, bytes_sent: int, seconds: float, *, pack: bool) -> float | None:
+    """The rate a hop measured, in bytes of the checkpoint drained per second: what it
+    sent (a resumed copy sends only what was missing) over its time; into a pack tier the
+    checkpoint's bytes (a pack sends fewer, compressed or a delta, and S over that rate is
+    the drain time ``--status`` reports). None when it sent nothing.
+
+    >>> drain_rate(100, 40, 2.0, pack=False), drain_rate(100, 10, 2.0, pack=True)
+    (20.0, 50.0)
+    >>> drain_rate(100, 0, 0.1, pack=False) is None
+    True
+    """
+    if not bytes_sent or seconds <= 0:
+        return None
+    return (nbytes if pack else bytes_sent) / seconds
 
 
 def iso_time(ts: float | None) -> str | None:
@@ -322,18 +367,19 @@ def measured_plan(config: Config, doc: dict | None) -> MeasuredPlan | None:
     times = sorted(map(arrival_time, arrivals))
     gaps = [b - a for a, b in itertools.pairwise(times) if b > a]
     tau = statistics.median(gaps) if gaps else None
-    last: dict[tuple[str, str], dict] = {}  # (src, dst) -> its newest hop that moved bytes
+    last: dict[tuple[str, str], float] = {}  # (src, dst) -> the rate its newest hop measured
     for d in (doc or {}).get("done") or []:
-        if d.get("action") != "up-to-date" and d.get("seconds") and d.get("bytes"):
-            last[(d["src"], d["dst"])] = d
+        rate = _done_rate(d)
+        if rate:
+            last[(d["src"], d["dst"])] = rate
     names = [t.name for t in config.tiers]
     tiers = []
     for i, t in enumerate(config.tiers):
         into = last.get((names[i - 1], t.name)) if i > 0 else None
         out = last.get((t.name, names[i + 1])) if i + 1 < len(names) else None
+        # one rate per hop: the write into dst and the read out of src are the same figure
         m = None if not (into or out) else Measurement(
-            t.name, t.url, into["bytes"] if into else 0, into["seconds"] if into else 0.0,
-            out["bytes"] if out else 0, out["seconds"] if out else 0.0,
+            t.name, t.url, into or 0, 1.0 if into else 0.0, out or 0, 1.0 if out else 0.0,
             write_source=f"measured on {names[i - 1]} -> {t.name}" if into else "",
             read_source=f"measured on {t.name} -> {names[i + 1]}" if out else "")
         tiers.append(TierInput(t.name, t.url, t.bwlimit, m))
@@ -347,6 +393,22 @@ def measured_plan(config: Config, doc: dict | None) -> MeasuredPlan | None:
     return MeasuredPlan(newest["name"], size, tau, len(gaps),
                         None if tau is None else node_bandwidth(size, 1, tau),
                         local_capacity(size, 1), hops, recovery)
+
+
+def _done_rate(d: dict) -> float | None:
+    """The rate a ``done`` entry of the status measured: its ``bytes_per_second`` (None:
+    it moved nothing); an entry an older ckptctl wrote, without one: its bytes over
+    its seconds, unless it was up to date.
+
+    >>> _done_rate({"bytes": 10, "seconds": 2.0, "bytes_per_second": None})
+    >>> _done_rate({"bytes": 10, "seconds": 2.0, "action": "promoted"})
+    5.0
+    """
+    if "bytes_per_second" in d:
+        return d["bytes_per_second"]
+    if d.get("action") != "up-to-date" and d.get("seconds") and d.get("bytes"):
+        return d["bytes"] / d["seconds"]
+    return None
 
 
 class Watcher:
@@ -556,6 +618,7 @@ class Watcher:
         try:
             self._pass(p)
         finally:
+            self._settling_ages(p)
             self.status["in_flight"] = None
             self.status["queued"] = [dict(x) for x in p.pending]
             self.status["last_pass"] = {"started": iso_time(p.started),
@@ -569,6 +632,14 @@ class Watcher:
                         "queued": p.queued([t.name for t in self.config.tiers]),
                         "newest_pending_age_seconds": dict(p.behind)})
         return p
+
+    def _settling_ages(self, p: WatchPass) -> None:
+        """Fill ``p.unchanged``: how long the listing of each ``settling`` checkpoint has
+        been unchanged as watch saw it, so a report can say how far along it is."""
+        seen, now = self.status.get("seen") or {}, self.clock()
+        for x in p.pending:
+            if x.get("why") == "settling" and x.get("name") in seen:
+                p.unchanged[x["name"]] = round(max(0.0, now - seen[x["name"]]["since"]), 3)
 
     def drain_newest(self) -> tuple[WatchPass, str | None]:
         """Pre-emption (``watch``'s drain signal): promote the newest committed checkpoint
@@ -812,7 +883,7 @@ class Watcher:
         hop = Hop(name, src.name, dst.name, r.action, r.bytes, r.bytes_sent, r.seconds)
         p.promoted.append(hop)
         self.record_done(name, src.name, dst.name, r.action, r.bytes, r.seconds,
-                         rate=hop.rate if hop.bytes_sent and hop.seconds > 0 else None)
+                         rate=drain_rate(r.bytes, r.bytes_sent, r.seconds, pack=dst.pack))
         self._event("promoted", name=name, src=src.name, dst=dst.name, action=r.action,
                     bytes=r.bytes, bytes_sent=r.bytes_sent, seconds=r.seconds,
                     bytes_per_second=round(hop.rate), pack=dst.pack)
@@ -821,16 +892,20 @@ class Watcher:
     def record_done(self, name: str, src: str, dst: str, action: str, nbytes: int,
                     seconds: float, *, rate: float | None) -> None:
         """A finished hop (or multi-node part) in the status: ``done`` (the last
-        :data:`DONE_KEPT`) and the hop's measured ``rate`` (bytes/s) when there is one,
-        for ``watch --status``'s rates and plan figures.
+        :data:`DONE_KEPT`), each with the rate measured on it (``bytes_per_second``, None
+        when it moved nothing: up to date, or resumed with every byte already there), and
+        ``rates``, the newest of each hop: the one rate ``watch --status`` and its plan
+        figures show for that hop.
 
         >>> w.record_done("step-20", "hot", "warm", "promoted", 10, 0.5, rate=20.0)  # doctest: +SKIP
         """
+        rate = round(rate) if rate else None
         if rate:
-            self.status.setdefault("rates", {})[f"{src}->{dst}"] = round(rate)
+            self.status.setdefault("rates", {})[f"{src}->{dst}"] = rate
         done = self.status.setdefault("done", [])
         done.append({"name": name, "src": src, "dst": dst, "action": action,
-                     "bytes": nbytes, "seconds": seconds, "finished": iso_time(self.clock())})
+                     "bytes": nbytes, "seconds": seconds, "bytes_per_second": rate,
+                     "finished": iso_time(self.clock())})
         del done[:-DONE_KEPT]
 
     def _retain(self, p: WatchPass, i: int, listings: list) -> None:
