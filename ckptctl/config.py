@@ -34,7 +34,11 @@ from .errors import UsageError
 CONFIG_NAME = "ckptctl.toml"
 CONFIG_ENV = "CKPTCTL_CONFIG"
 
-TIER_KEYS = ("name", "url", "storage_options", "keep", "bwlimit", "pack")
+TIER_KEYS = ("name", "url", "storage_options", "keep", "bwlimit", "pack", "max_chain")
+#: A pack tier's longest delta chain unless its ``max_chain`` says otherwise
+#: (:data:`ckptctl.formats.pack.DEFAULT_MAX_CHAIN`; a reader follows at most 64).
+DEFAULT_MAX_CHAIN = 8
+MAX_CHAIN_LIMIT = 64
 KEEP_KEYS = ("last", "every", "within", "hourly", "daily", "tags")
 _NAME = re.compile(r"[a-z0-9_-]+\Z")
 #: ``TIER:`` or ``TIER:NAME``; a URL (``s3://``) and a Windows path (``C:\\x``, ``c:/x``)
@@ -54,7 +58,8 @@ MASK = "***"
 class Tier:
     """One place of the config: where (``url``, ``storage_options``), what to keep
     (``keep``: gc's policy words, None keeps everything), how fast (``bwlimit`` in bytes/s,
-    None: unlimited) and whether it stores packs."""
+    None: unlimited), whether it stores packs, and a pack's longest delta chain there
+    (``max_chain``: a hop that would go deeper gets a full pack; 0: every pack full)."""
 
     name: str
     url: str
@@ -62,6 +67,7 @@ class Tier:
     keep: dict | None = None
     bwlimit: float | None = None
     pack: bool = False
+    max_chain: int = DEFAULT_MAX_CHAIN
 
 
 @dataclass(frozen=True)
@@ -230,7 +236,12 @@ def _tier(t: dict, i: int, path: str, base: str | None) -> Tier:
     pack = t.get("pack", False)
     if not isinstance(pack, bool):
         raise bad("pack must be true or false")
-    return Tier(name, url, dict(opts), keep, bwlimit, pack)
+    max_chain = t.get("max_chain", DEFAULT_MAX_CHAIN)
+    if isinstance(max_chain, bool) or not isinstance(max_chain, int) \
+            or not 0 <= max_chain <= MAX_CHAIN_LIMIT:
+        raise bad(f"max_chain must be a whole number from 0 to {MAX_CHAIN_LIMIT} (the longest "
+                  f"chain of delta packs; default {DEFAULT_MAX_CHAIN}), not {max_chain!r}")
+    return Tier(name, url, dict(opts), keep, bwlimit, pack, max_chain)
 
 
 def _tier_url(url: str, base: str | None, bad) -> str:

@@ -83,8 +83,14 @@ def gc(
                                                    callback=_duration(False),
                                                    help=GRACE_HELP),
     dry_run: bool = typer.Option(False, "--dry-run", "-n",
-                                 help="Print what a real run would remove and keep, and why; "
-                                      "delete nothing."),
+                                 help="Print what a real run would remove, keep and "
+                                      "re-root, and why, and what ROOT then holds at most; "
+                                      "change nothing."),
+    reroot: Optional[bool] = typer.Option(None, "--reroot/--no-reroot",
+                                          help="Re-root a pack kept for its own sake whose "
+                                               "base is kept only for it, so the base can go "
+                                               "(the count is exact). Default: on for a TIER: "
+                                               "with pack = true, else off."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,
@@ -99,12 +105,22 @@ def gc(
     HF index) first, so a crash mid-way leaves something incomplete, never something valid.
     With a TIER: and no --keep-* flag, the tier's keep table is the policy.
 
+    A delta pack keeps its base, so a pack tier could hold far more than its keep says.
+    With --reroot (the default on a pack tier), a pack kept for its own sake whose base
+    is kept only for it is first written again, against an older checkpoint kept for
+    its own sake or as a full pack (never past the tier's max_chain), and put in place
+    of the old one, keeping its checkpoint id; its bases then go. Crash-safe: the new
+    pack is committed beside the old one first, and a rerun finishes an interrupted
+    re-root.
+
     \b
     EXAMPLES
       ckptctl gc /lustre/run1 --keep-last 3 --keep-every 5000 --dry-run
       ckptctl gc s3://runs/llama --keep-within 30d --keep-tag release --json
       ckptctl gc warm:                     # the keep table of tier "warm"
+      ckptctl gc cold: --dry-run           # a pack tier: which packs re-root
     """
+    from ..config import DEFAULT_MAX_CHAIN
     from ..ops.gc import gc as do_gc
     from ..ops.ownership import foreign_list
     from ..ops.policy import DEFAULT_GRACE, parse_duration
@@ -112,18 +128,41 @@ def gc(
     place = resolve_place(root, storage_option)
     policy = _policy(place, keep_last, keep_every, keep_within, keep_hourly, keep_daily,
                      keep_tag)
+    tier = place.tier
     r = do_gc(place.url, policy, place.storage_options, dry_run=dry_run,
-              grace=parse_duration(incomplete_grace or DEFAULT_GRACE))
+              grace=parse_duration(incomplete_grace or DEFAULT_GRACE),
+              reroot=reroot if reroot is not None else bool(tier and tier.pack),
+              max_chain=tier.max_chain if tier is not None else DEFAULT_MAX_CHAIN)
     if json:
         emit_json(r.to_dict())
     elif not quiet:
         _report(r, dry_run)
+    failed = [x for x in r.reroots if x.action == "failed"]
+    for x in failed:
+        print(f"ckptctl: could not re-root {x.name} ({x.reason}); it keeps its bases",
+              file=sys.stderr)
     if r.blocked:  # the policy asked for a removal gc would not do: a finding
         for name, files in r.blocked.items():
             print(f"ckptctl: kept {name}: it holds files that are not the checkpoint's "
                   f"({foreign_list(files)}); move them away to let gc remove it",
                   file=sys.stderr)
         raise typer.Exit(EXIT_FINDING)
+    if failed:  # the count is not exact: a finding
+        raise typer.Exit(EXIT_FINDING)
+
+
+def _reroot_line(x) -> str:
+    """One re-root in words: what the pack is made against after, and what that frees."""
+    interrupted = {"would finish": "would finish", "would discard": "would clear the "
+                   "leftovers of", "finished": "finished", "discarded": "cleared the "
+                   "leftovers of", "busy": "left alone (another process is on it)"}
+    if x.action in interrupted:
+        return f"{interrupted[x.action]} an interrupted re-root of {x.name}"
+    how = f"against {x.base} (chain depth {x.depth})" if x.base else "as a full pack"
+    verb = {"would re-root": "would re-root", "re-rooted": "re-rooted",
+            "failed": "failed to re-root"}.get(x.action, x.action)
+    frees = f"; frees {', '.join(x.frees)}" if x.frees else ""
+    return f"{verb} {x.name} {how} (its base {', '.join(x.was)} is kept only for it){frees}"
 
 
 def _report(r, dry_run: bool) -> None:
@@ -142,9 +181,13 @@ def _report(r, dry_run: bool) -> None:
             if u.initiated else "?"
         verb = {"abort": "would abort" if dry_run else "aborted", "keep": "kept (young)"}
         say(f"upload {u.url} ({u.upload_id[:16]}, started {when}): {verb[u.action]}")
+    for x in r.reroots:
+        say(_reroot_line(x))
     done = "to remove" if dry_run else "removed"
     say(f"{r.policy}: {plural(len(r.decision.keep), 'checkpoint')} kept, "
         f"{len(r.removed)} {done} ({human_bytes(r.bytes_freed)})")
+    if dry_run and r.holds:
+        say(f"{r.root} {r.holds}")
 
 
 @app.command()
@@ -187,6 +230,8 @@ def latest(
         what = f"names {p['names']}" if p["names"] else "names no checkpoint folder"
         print(f"ckptctl: warning: {p['file']} {what}, not this newest one (the framework's "
               "own resume reads it)", file=sys.stderr)
+    if r.tie:  # two committed at one step: say which was taken, and why
+        print(f"ckptctl: note: {r.tie_note()}", file=sys.stderr)
     if json:
         emit_json(r.to_dict())
     else:

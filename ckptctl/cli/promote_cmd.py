@@ -112,7 +112,8 @@ def promote(
                        workers=workers, part_size=parse_size(part_size),
                        delete_source=delete_source, dry_run=dry_run, pack=pack,
                        base=base_url, level=pack_level, on_bytes=bar,
-                       on_total=bar and bar.total, group=group, seal_source=seal_source)
+                       on_total=bar and bar.total, group=group, seal_source=seal_source,
+                       max_chain=d.tier.max_chain if d.tier is not None else 8)
     if json:
         emit_json(group.tag(r.to_dict()))
         return

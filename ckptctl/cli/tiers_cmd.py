@@ -22,8 +22,10 @@ def tiers(
 
     The config is --config FILE (global, anywhere on the line), else $CKPTCTL_CONFIG,
     else ./ckptctl.toml: a list of tier tables, hottest first, each with name, url and
-    optional storage_options, keep, bwlimit and pack (README, "Tiers"). Anywhere a URL
-    is taken, TIER: stands for a tier's root and TIER:NAME for NAME under it.
+    optional storage_options, keep, bwlimit, pack and max_chain (README, "Tiers").
+    Anywhere a URL is taken, TIER: stands for a tier's root and TIER:NAME for NAME
+    under it. Below the table, each tier says what it holds at most under its keep (on
+    a pack tier gc and watch re-root a pack kept only as a base, so that is exact).
 
     Each tier is checked by writing a small .ckptctl-probe-<random> object at its root,
     reading it back and deleting it, all tiers at once, each within a bounded time
@@ -57,12 +59,15 @@ def tiers(
         for t in r.tiers:
             row = [str(t.order), t.name, t.url,
                    f"{human_bytes(int(t.bwlimit))}/s" if t.bwlimit else "-",
-                   _words(t.keep) or "all", "yes" if t.pack else "no",
+                   _words(t.keep) or "all",
+                   f"yes (chain <= {t.max_chain})" if t.pack else "no",
                    _words(t.storage_options) or "-"]
             if r.checked:
                 row.append("ok (writable)" if t.ok else f"FAILED: {t.reason}")
             rows.append(row)
         print_table(headers, rows, fold=(2, 6, 7))
+        for t in r.tiers:
+            say(f"{t.name}: {t.holds}", quiet=quiet)
         if r.checked and r.ok:
             say(f"{plural(len(r.tiers), 'tier')} from {r.config}: every one reachable and "
                 "writable", quiet=quiet)

@@ -39,7 +39,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ..errors import CkptError, FormatError, NotFoundError, UnsafeInputError, UsageError
+from ..errors import (CkptError, FormatError, NotFoundError, StorageError,
+                      UnsafeInputError, UsageError)
 from ..storage import Capabilities, IOStats, Store, safe_relpath
 from .limits import MAX_TENSOR_BYTES, count_key, load_json
 from .manifest import MANIFEST, WRITING_MARKER, Manifest
@@ -64,6 +65,13 @@ MAX_CHUNKS = 6_000_000
 MODES = ("zstd", "planes", "xor", "same")
 #: Longest chain of delta packs a reader follows (``--max-chain`` writes at most this).
 MAX_DEPTH = 64
+#: Longest chain a writer makes unless told otherwise (``--max-chain``, a tier's
+#: ``max_chain``): a hop past it gets a full pack.
+DEFAULT_MAX_CHAIN = 8
+#: A pack being re-rooted (``gc`` on a pack tier) is written again beside itself as
+#: ``.NAME`` + this suffix, committed, then installed in place of NAME; while NAME is
+#: being replaced, readers of the packs made against it take their base from there.
+REROOT_SUFFIX = ".ckptctl-reroot"
 #: A base chain's data files up to this size are read whole, one GET each, when read at
 #: all (a delta decodes against every level below it); larger ones by ranges. About what
 #: one request costs on S3 in bytes: the reads a chain walk needs cost nothing more then.
@@ -72,6 +80,30 @@ CHAIN_WHOLE_FILE = 2 << 20
 CHAIN_CACHE_BUDGET = 8 << 20
 ITEMSIZES = (1, 2, 4, 8)
 _HEX16 = re.compile(r"^[0-9a-f]{16}$")
+
+
+def reroot_stage(url: str) -> str:
+    """Where the pack at ``url`` is written again while it is re-rooted: a hidden sibling.
+
+    >>> reroot_stage("s3://b/run/step-70"), reroot_stage("/r/a/step-7/")
+    ('s3://b/run/.step-70.ckptctl-reroot', '/r/a/.step-7.ckptctl-reroot')
+    """
+    head, _, name = url.rstrip("/").rpartition("/")
+    return f"{head}/.{name}{REROOT_SUFFIX}" if head else f".{name}{REROOT_SUFFIX}"
+
+
+def reroot_target(name: str) -> str | None:
+    """The checkpoint a re-root stage (a checkpoint name or URL, as :func:`reroot_stage`
+    makes them) is for, None for any other name.
+
+    >>> reroot_target("run/.step-70.ckptctl-reroot"), reroot_target("step-70")
+    ('run/step-70', None)
+    """
+    head, sep, base = name.rstrip("/").rpartition("/")
+    if not (base.startswith(".") and base.endswith(REROOT_SUFFIX)) \
+            or len(base) <= len(REROOT_SUFFIX) + 1:
+        return None
+    return head + sep + base[1:-len(REROOT_SUFFIX)]
 
 
 def is_pack(files: dict[str, int]) -> bool:
@@ -908,7 +940,9 @@ def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
     checkpoint id must be the one the pack was made against; it may itself be a pack.
     On a remote store the first call also starts opening the levels below it that the
     index's chain names (``ahead``: the walk this level belongs to, shared down the
-    chain; see :class:`ChainWalk`).
+    chain; see :class:`ChainWalk`). While the recorded base is being re-rooted (``gc``
+    replaces it: its folder is held by a writer for a moment), the committed copy
+    beside it (:func:`reroot_stage`, same checkpoint id, never deeper) serves instead.
 
     >>> base_store = base_resolver(url, index, "ckpt/step-1000")()  # doctest: +SKIP
     """
@@ -923,10 +957,24 @@ def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
         if shared is None or not shared.started:  # the top of a walk: the levels below
             below = _read_ahead_urls(pack_url, index) if base is None else []  # the base
             shared = _read_ahead(below, storage_options, shared)
+        try:
+            return opened(url, shared, shared.pop(url, None))
+        except StorageError:
+            raise  # the store failed: no verdict on the base
+        except CkptError:
+            if base is not None:  # the caller named it: never another place
+                raise
+            try:  # being re-rooted (``gc``): its committed copy beside it, while it is
+                return opened(reroot_stage(url), shared, None)
+            except CkptError:
+                pass
+            raise
+
+    def opened(url: str, shared: ChainWalk, ahead_of_need) -> object:
         located = None
-        if url in shared:
+        if ahead_of_need is not None:
             try:
-                located = shared.pop(url).result()
+                located = ahead_of_need.result()
             except CkptError:
                 located = None  # asked again below: the answer reported is that one
         try:
@@ -1018,4 +1066,5 @@ def pack_view(located: tuple, storage_options: dict | None = None, *,
 
 
 __all__ = ["PACK_INDEX", "PackIndex", "PackStore", "Segment", "ChunkRef", "is_pack",
-           "open_pack", "pack_view", "base_resolver", "chain_urls", "ChainWalk"]
+           "open_pack", "pack_view", "base_resolver", "chain_urls", "ChainWalk",
+           "reroot_stage", "reroot_target"]

@@ -24,7 +24,8 @@ import posixpath
 import time
 from dataclasses import dataclass, field
 
-from ..errors import StorageError, UsageError
+from ..errors import CkptError, StorageError, UsageError
+from ..formats.pack import DEFAULT_MAX_CHAIN
 from .ls import CheckpointRow, iso_utc, ls
 from .ownership import foreign_list, split_owned
 from .policy import (DEFAULT_GRACE, Decision, Item, Policy, apply_policy, newest_first,
@@ -57,6 +58,32 @@ class GcUpload:
 
 
 @dataclass
+class GcReroot:
+    """A pack re-rooted so that the bases kept only for it can go (a pack tier: the count
+    is exact). ``was``: what held its base; ``base``/``base_url``: what it is made
+    against after (None: a full pack), ``depth`` then; ``frees``: what that lets go.
+    ``action``: ``would re-root``, ``re-rooted``, ``failed`` (``reason`` says why: the
+    pack and its bases stay), or for a re-root a crash interrupted, ``would finish``,
+    ``finished``, ``would discard`` / ``discarded`` (its leftovers cleared: the pack was
+    not touched yet, or is done) or ``busy`` (another process)."""
+
+    name: str
+    url: str
+    was: tuple[str, ...]
+    base: str | None
+    base_url: str | None
+    depth: int
+    frees: tuple[str, ...]
+    action: str
+    reason: str | None = None
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "url": self.url, "base_was": list(self.was),
+                "base_name": self.base, "base_url": self.base_url, "depth": self.depth,
+                "frees": list(self.frees), "action": self.action, "reason": self.reason}
+
+
+@dataclass
 class GcResult:
     root: str
     policy: str
@@ -71,6 +98,12 @@ class GcResult:
     #: name -> files that are not the checkpoint's: the policy would remove it, but gc
     #: deletes only what it recognises (a finding: the CLI exits 1)
     blocked: dict[str, list[str]] = field(default_factory=dict)
+    #: packs re-rooted (``reroot``), and re-roots a crash interrupted, finished
+    reroots: list[GcReroot] = field(default_factory=list)
+    #: what the root holds at most under the policy, in words, and as a number (None:
+    #: it grows with the run, or pack bases come on top)
+    holds: str = ""
+    max_checkpoints: int | None = None
 
     @property
     def removed(self) -> list[GcCheckpoint]:
@@ -93,6 +126,8 @@ class GcResult:
                              "created": iso_utc(c.created)}
                             for c in self.checkpoints],
             "blocked": [{"name": n, "foreign_files": f} for n, f in self.blocked.items()],
+            "reroots": [r.to_dict() for r in self.reroots],
+            "holds": self.holds, "max_checkpoints": self.max_checkpoints,
             "uploads_checked": self.uploads_checked,
             "uploads": [{"url": u.url, "upload_id": u.upload_id,
                          "initiated": iso_utc(u.initiated), "action": u.action}
@@ -341,7 +376,8 @@ def remove_batched(store, rows: list[CheckpointRow]) -> None:
 def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
        dry_run: bool = False, grace: float | str = DEFAULT_GRACE,
        now: float | None = None, protect: dict[str, str] | None = None,
-       listed: set[str] | None = None) -> GcResult:
+       listed: set[str] | None = None, reroot: bool = False,
+       max_chain: int = DEFAULT_MAX_CHAIN) -> GcResult:
     """Keep what ``policy`` and the rails keep under ``root``; remove the rest (``dry_run``:
     only say so). ``protect`` (name -> reason) is kept whatever the policy says
     (:func:`~ckptctl.ops.policy.apply_policy`'s ``protect``, with the bases it needs;
@@ -350,6 +386,14 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
     caller's rail was computed from; any other name found here (it appeared since) is kept
     too, as the rail could not judge it. Raises UsageError (exit 2)
     on an empty policy, before anything is read.
+
+    ``reroot`` (a pack tier): the count is exact. A pack kept for its own sake whose base
+    is kept only as its base is re-rooted first (:func:`~ckptctl.ops.policy.plan_reroots`,
+    :func:`~ckptctl.ops.pack.reroot`: against an older checkpoint kept for its own sake
+    when the chain stays within ``max_chain`` and the pack's own depth, else as a full
+    pack), then the bases no longer needed go with the rest. A re-root a crash
+    interrupted is finished (or its leftovers cleared) before anything is decided, with
+    or without ``reroot``; a dry run says what it would do.
 
     >>> import pathlib, tempfile, numpy as np
     >>> from safetensors.numpy import save_file
@@ -366,22 +410,21 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
                          "everything)")
     grace = parse_duration(grace) if isinstance(grace, str) else float(grace)
     now = time.time() if now is None else now
-    listing = ls(root, storage_options, manifests=True, check="auto")
-    rows = {r.name: r for r in listing.checkpoints}
-    foreign = _foreign(rows, list(rows), storage_options)  # confirms the rows it must read
-    why_foreign = {n: f"holds files not its own ({foreign_list(f)})" for n, f in foreign.items()}
-    protect = {**_named_by_latest(rows, listing.pointers), **why_foreign, **(protect or {})}
-    if listed is not None:
-        protect = {**{n: "appeared after the listing" for n in rows if n not in listed},
-                   **protect}
-    settled, items, decision = settle(list(rows.values()), policy, storage_options, now=now,
-                                      grace=grace, protect=protect,
-                                      needed=needed_elsewhere(listing.checkpoints,
-                                                              storage_options))
-    rows = {r.name: r for r in settled}
-    blocked = {n: f for n, f in foreign.items() if decision.keep.get(n) == [why_foreign[n]]}
-    result = GcResult(listing.root, policy.describe(), dry_run, grace, now, decision,
-                      blocked=blocked)
+    ctx = _Decide(root, policy, storage_options, now, grace, protect, listed, max_chain)
+    recovered = ctx.recover(dry_run)
+    d = ctx.decide(reroot)
+    reroots = [*recovered, *d.reroots]
+    if d.reroots and not dry_run:
+        done = _reroot_all(d, storage_options, max_chain)
+        d = ctx.decide(False)  # the packs as they are now: a failed one keeps its bases
+        reroots = [*recovered, *done]
+    rows, items, decision = d.rows, d.items, d.decision
+    blocked = {n: f for n, f in d.foreign.items() if decision.keep.get(n) == [d.why_foreign[n]]}
+    result = GcResult(d.root, policy.describe(), dry_run, grace, now, decision,
+                      blocked=blocked, reroots=reroots,
+                      holds=policy.holds(pack=reroot or d.packs, reroot=reroot,
+                                         max_chain=max_chain),
+                      max_checkpoints=policy.bound if reroot or not d.packs else None)
     for item in newest_first(items):
         r = rows[item.name]
         keep = item.name in decision.keep
@@ -394,7 +437,7 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
 
         doomed = [rows[name] for name in reversed(decision.remove)]  # oldest first
         if len(doomed) > 1 and all(not r.located[0].is_local and r.located[2] is None
-                                   and r.url != listing.root for r in doomed):
+                                   and r.url != d.root for r in doomed):
             from ..storage import open_store
 
             remove_batched(open_store(root, storage_options), doomed)
@@ -404,6 +447,167 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
                 remove_checkpoint(store, files, single=single)
     _uploads(result, root, storage_options, now=now, grace=grace, dry_run=dry_run)
     return result
+
+
+@dataclass
+class _Decided:
+    """One decision over one listing: the rows it rests on (re-root stages aside), the
+    policy's items, the decision, the re-roots it needs, the foreign files found."""
+
+    root: str
+    rows: dict[str, CheckpointRow]
+    items: list[Item]
+    decision: Decision
+    reroots: list[GcReroot]
+    foreign: dict[str, list[str]]
+    why_foreign: dict[str, str]
+    packs: bool
+
+
+class _Decide:
+    """List ``root`` and decide (:meth:`decide`), as many times as a run needs: once, or
+    again after its re-roots; finish the re-roots a crash left (:meth:`recover`)."""
+
+    def __init__(self, root, policy, storage_options, now, grace, protect, listed,
+                 max_chain):
+        self.root, self.policy, self.opts = root, policy, storage_options
+        self.now, self.grace, self.protect, self.listed = now, grace, protect, listed
+        self.max_chain = max_chain
+        self.listing = None
+        self.pending: dict[str, str] = {}  # target name -> why its re-root is unfinished
+        self.staged: dict[str, CheckpointRow] = {}  # dry run: what a finished re-root puts there
+
+    def _list(self):
+        self.listing = ls(self.root, self.opts, manifests=True, check="auto")
+        return self.listing
+
+    def recover(self, dry_run: bool) -> list[GcReroot]:
+        """Finish the re-roots an interrupted run left (a staged copy beside a pack:
+        :func:`~ckptctl.ops.pack.finish_reroot`), then list again. A dry run only says
+        so, and decides as if it were done (a committed staged copy stands for its pack).
+        What a live process holds keeps its pack ("re-root in progress")."""
+        import dataclasses
+
+        from ..formats.pack import reroot_target
+        from .pack import finish_reroot
+
+        listing = self._list()
+        out = []
+        for r in listing.checkpoints:
+            target = reroot_target(r.name)
+            if target is None:
+                continue
+            url = reroot_target(r.url)
+            if dry_run:
+                staged = r.state == "sealed"
+                out.append(GcReroot(target, url, (), None, None, 0, (),
+                                    "would finish" if staged else "would discard"))
+                if staged:
+                    self.staged[target] = dataclasses.replace(r, name=target, url=url)
+                continue
+            done = finish_reroot(url, self.opts)
+            if done.action == "none":  # gone since the listing (another gc finished it)
+                continue
+            out.append(GcReroot(target, url, (), None, None, 0, (), done.action))
+            if done.action == "busy":
+                self.pending[target] = "re-root in progress (another process)"
+        if out and not dry_run:
+            self._list()
+        return out
+
+    def decide(self, reroot: bool) -> _Decided:
+        from ..formats.pack import PACK_INDEX, reroot_target
+
+        listing = self.listing if self.listing is not None else self._list()
+        self.listing = None  # the next decision lists again
+        rows = {r.name: self.staged.get(r.name, r) for r in listing.checkpoints
+                if reroot_target(r.name) is None}
+        foreign = _foreign(rows, list(rows), self.opts)  # confirms the rows it must read
+        why_foreign = {n: f"holds files not its own ({foreign_list(f)})"
+                       for n, f in foreign.items()}
+        protect = {**_named_by_latest(rows, listing.pointers), **why_foreign,
+                   **{n: why for n, why in self.pending.items() if n in rows},
+                   **(self.protect or {})}
+        if self.listed is not None:
+            protect = {**{n: "appeared after the listing" for n in rows
+                          if n not in self.listed}, **protect}
+        settled, items, decision = settle(
+            list(rows.values()), self.policy, self.opts, now=self.now, grace=self.grace,
+            protect=protect, needed=needed_elsewhere(listing.checkpoints, self.opts))
+        rows = {r.name: r for r in settled}
+        packs = {n for n, r in rows.items()
+                 if r.located and r.located[2] is None and PACK_INDEX in r.located[1]}
+        plan = []
+        if reroot:
+            plan, decision = _plan(rows, items, decision, packs - set(self.pending),
+                                   self.max_chain)
+        return _Decided(listing.root, rows, items, decision, plan, foreign, why_foreign,
+                        bool(packs))
+
+
+def _plan(rows: dict[str, CheckpointRow], items: list[Item], decision: Decision,
+          rerootable: set[str], max_chain: int) -> tuple[list[GcReroot], Decision]:
+    """The re-roots ``decision`` needs (:func:`~ckptctl.ops.policy.plan_reroots`), each
+    against its planned base only where the chain stays within ``max_chain`` and the
+    pack's own depth (the packs made against it must stay deeper), else full; and the
+    decision once they are done. Reads the index of each pack involved (one small read)."""
+    from .policy import plan_reroots
+
+    depths: dict[str, int] = {}
+
+    def depth(name: str) -> int:
+        if name not in depths:
+            depths[name] = _depth(rows[name])
+        return depths[name]
+
+    full: set[str] = set()
+    while True:  # until no planned base is too deep (each turn makes one more pack full)
+        plan, after = plan_reroots(items, decision, rerootable=rerootable, full=full)
+        new: dict[str, int] = {}
+        for r in plan:  # oldest first: a base re-rooted here has its new depth already
+            new[r.name] = 0 if r.base is None else new.get(r.base, depth(r.base)) + 1
+            if new[r.name] > min(max_chain, depth(r.name)):
+                full.add(r.name)
+                break
+        else:
+            break
+    return [GcReroot(r.name, rows[r.name].url, r.was, r.base,
+                     rows[r.base].url if r.base else None, new[r.name], r.frees,
+                     "would re-root") for r in plan], after
+
+
+def _depth(row: CheckpointRow) -> int:
+    """How many deltas deep the checkpoint of ``row`` is (0: plain, or a full pack)."""
+    from ..formats.pack import PACK_INDEX, read_index
+
+    store, files, single = row.located
+    if single is not None or PACK_INDEX not in files:
+        return 0
+    return read_index(store, files).depth
+
+
+def _reroot_all(d: _Decided, storage_options: dict | None,
+                max_chain: int) -> list[GcReroot]:
+    """Run the planned re-roots, oldest first (a base re-rooted first is then the next
+    one's); one that fails is reported and leaves its pack, and so its bases, as they
+    were. A storage failure stops the run (exit 3): nothing was removed yet."""
+    from .pack import reroot
+
+    out = []
+    for r in d.reroots:
+        try:
+            done = reroot(r.url, base=r.base_url, max_chain=min(max_chain, r.depth)
+                          if r.base_url else max_chain, storage_options=storage_options)
+        except StorageError:
+            raise
+        except CkptError as e:
+            out.append(GcReroot(r.name, r.url, r.was, r.base, r.base_url, r.depth, r.frees,
+                                "failed", e.message))
+            continue
+        out.append(GcReroot(r.name, r.url, r.was, r.base if done.base else None,
+                            done.base_url, done.depth, r.frees, done.action,
+                            done.full_reason))
+    return out
 
 
 def _named_by_latest(rows: dict[str, CheckpointRow], found: list[dict]) -> dict[str, str]:

@@ -173,6 +173,47 @@ class Policy:
             words.append("tags " + ", ".join(self.tags))
         return "keep " + ", ".join(words) if words else "keep nothing (empty policy)"
 
+    @property
+    def bound(self) -> int | None:
+        """The most checkpoints of one series this policy keeps, pinned ones and writes
+        in progress aside; None when that grows with the run (``every``, ``within``,
+        ``tags``). Without ``last``, the newest committed one (a rail) may come on top.
+
+        >>> Policy(last=4).bound, Policy(hourly=24, daily=7).bound, Policy(every=5000).bound
+        (4, 32, None)
+        """
+        if self.every or self.within or self.tags:
+            return None
+        n = (self.last or 0) + (self.hourly or 0) + (self.daily or 0)
+        return n if self.last else n + 1
+
+    def holds(self, *, pack: bool = False, reroot: bool = False,
+              max_chain: int = 8) -> str:
+        """What a place under this policy holds at most, in words. ``pack``: it stores
+        delta packs, each of which keeps its bases; ``reroot``: a pack kept only as a base
+        is re-rooted (``gc`` of a pack tier), so the count is exact.
+
+        >>> Policy(last=4).holds(pack=True, reroot=True)
+        'holds at most 4 checkpoints (keep the last 4; packs kept only as bases are re-rooted)'
+        >>> Policy(last=4).holds(pack=True, max_chain=8)
+        'holds at most 36 checkpoints (keep the last 4, each pack with up to 8 bases; re-rooting holds it to 4)'
+        >>> Policy(every=5000).holds()
+        'holds a number that grows with the run (keep one every 5000 steps)'
+        """
+        n = self.bound
+        if n is None:
+            return f"holds a number that grows with the run ({self.describe()})"
+
+        def most(k: int) -> str:
+            return f"holds at most {k} checkpoint{'s' if k != 1 else ''}"
+
+        if not pack:
+            return f"{most(n)} ({self.describe()})"
+        if reroot:
+            return f"{most(n)} ({self.describe()}; packs kept only as bases are re-rooted)"
+        return (f"{most(n * (max_chain + 1))} ({self.describe()}, each pack with up to "
+                f"{max_chain} bases; re-rooting holds it to {n})")
+
 
 @dataclass(frozen=True)
 class Item:
@@ -333,19 +374,149 @@ def apply_policy(items, policy: Policy, *, now: float, grace: float = 86400.0,
     for name, why in (protect or {}).items():
         if name in reasons and why not in reasons[name]:
             reasons[name].append(why)
-    committed = [i for i in ordered if i.committed]
-    by_id: dict[str, list[Item]] = {}
-    for i in committed:
-        if i.id:
-            by_id.setdefault(i.id, []).append(i)
-    todo = [i for i in ordered if reasons[i.name] and i.base]
-    while todo:  # a kept pack keeps its base, and so on down the chain
-        i = todo.pop()
-        for b in by_id.get(i.base, []):
-            why = f"base of kept {i.name}"
-            if why not in reasons[b.name]:
-                if not reasons[b.name] and b.base:
-                    todo.append(b)
-                reasons[b.name].append(why)
+    by_id = _committed_by_id(ordered)
+    _keep_bases(reasons, [i for i in ordered if reasons[i.name] and i.base], by_id,
+                lambda i: i.base)
     return Decision({n: r for n, r in reasons.items() if r},
                     [n for n, r in reasons.items() if not r])
+
+
+#: The reason a checkpoint is kept only because a kept pack needs it (its delta base).
+BASE_OF_KEPT = "base of kept "
+
+
+def _committed_by_id(ordered: list[Item]) -> dict[str, list[Item]]:
+    by_id: dict[str, list[Item]] = {}
+    for i in ordered:
+        if i.committed and i.id:
+            by_id.setdefault(i.id, []).append(i)
+    return by_id
+
+
+def _keep_bases(reasons: dict[str, list[str]], todo: list[Item],
+                by_id: dict[str, list[Item]], base_of) -> None:
+    """A kept pack (``todo``) keeps its base (``base_of(item)``: the id it is a delta
+    of), and so on down the chain: ``base of kept NAME`` added to ``reasons``."""
+    while todo:
+        i = todo.pop()
+        for b in by_id.get(base_of(i), []):
+            why = f"{BASE_OF_KEPT}{i.name}"
+            if why not in reasons[b.name]:
+                if not reasons[b.name] and base_of(b):
+                    todo.append(b)
+                reasons[b.name].append(why)
+
+
+@dataclass(frozen=True)
+class Reroot:
+    """A kept pack to write again so that the bases kept only for it can go (DESIGN.md: a
+    retention count is exact). ``was``: the checkpoints holding its base now; ``base``:
+    the one it is packed against instead (a checkpoint kept for its own sake, older, of
+    its series), None for a full pack; ``frees``: what is then removed that its chain
+    kept."""
+
+    name: str
+    was: tuple[str, ...]
+    base: str | None
+    frees: tuple[str, ...] = ()
+
+
+def plan_reroots(items, decision: Decision, *, rerootable=None,
+                 full=()) -> tuple[list[Reroot], Decision]:
+    """The re-roots that make ``decision`` (:func:`apply_policy`'s, over ``items``) keep
+    only what is kept for its own sake, and the decision once they are done. Pure.
+
+    A committed pack kept for a reason of its own whose base is kept only as a base (no
+    checkpoint with the base's id is kept otherwise, nor needed by a kept pack that
+    cannot be re-rooted: a write in progress, a corrupt one) is re-rooted, oldest first:
+    against the nearest older checkpoint of its series kept for its own sake (committed,
+    not made from it), or as a full pack (``full``: names that must be full; no such
+    checkpoint). Packs made against a re-rooted one are untouched: it keeps its
+    checkpoint id. ``rerootable``: the names that may be re-rooted (``gc``: the packs
+    of the listing); None: every committed item.
+
+    >>> h = [Item(f"s-{s}", s, float(s), "sealed", id=f"i{s}", base=f"i{s - 1}" if s > 1 else None)
+    ...      for s in range(1, 7)]
+    >>> d = apply_policy(h, Policy(last=2), now=10.0)
+    >>> d.remove
+    []
+    >>> plan, after = plan_reroots(h, d)
+    >>> plan
+    [Reroot(name='s-5', was=('s-4',), base=None, frees=('s-4', 's-3', 's-2', 's-1'))]
+    >>> after.keep, after.remove
+    ({'s-6': ['last 2', 'newest committed'], 's-5': ['last 2', 'base of kept s-6']}, ['s-4', 's-3', 's-2', 's-1'])
+    """
+    ordered = newest_first(items)
+    by_name = {i.name: i for i in ordered}
+    by_id = _committed_by_id(ordered)
+    own = {n: [r for r in why if not r.startswith(BASE_OF_KEPT)]
+           for n, why in decision.keep.items()}
+    own = {n: why for n, why in own.items() if why and n in by_name}
+
+    def movable(i: Item) -> bool:
+        return bool(i.committed and i.base and i.id
+                    and (rerootable is None or i.name in rerootable))
+
+    fixed = [by_name[n] for n in own if by_name[n].base and not movable(by_name[n])]
+    held: dict[str, list[str]] = {i.name: [] for i in ordered}
+    _keep_bases(held, fixed, by_id, lambda i: i.base)
+    keep = set(own) | {n for n, why in held.items() if why}
+    new_base: dict[str, str | None] = {}  # re-rooted name -> the id it is made against
+    plan = []
+    for i in reversed(ordered):  # oldest first: a re-rooted one may be the next one's base
+        was = tuple(b.name for b in by_id.get(i.base, [])) if i.base else ()
+        if i.name not in own or not movable(i) or not was or any(n in keep for n in was):
+            continue
+        base = None if i.name in full else _nearest_kept(i, ordered, own, by_id, new_base)
+        new_base[i.name] = by_name[base].id if base else None
+        plan.append(Reroot(i.name, was, base))
+    if not plan:
+        return [], decision
+
+    def base_of(i: Item) -> str | None:
+        return new_base[i.name] if i.name in new_base else i.base
+
+    reasons = {i.name: list(own.get(i.name, [])) for i in ordered}
+    _keep_bases(reasons, [i for i in ordered if reasons[i.name] and base_of(i)], by_id,
+                base_of)
+    after = Decision({n: r for n, r in reasons.items() if r},
+                     [n for n, r in reasons.items() if not r])
+    gone = set(after.remove)
+    return [Reroot(r.name, r.was, r.base, _chain_names(by_name[r.name], by_id, gone))
+            for r in plan], after
+
+
+def _nearest_kept(i: Item, ordered: list[Item], own: dict, by_id: dict,
+                  new_base: dict) -> str | None:
+    """The nearest checkpoint older than ``i`` in its series that is kept for its own sake,
+    committed, and not made (through its chain) from ``i``; None if there is none."""
+    for c in ordered[ordered.index(i) + 1:]:
+        if c.series != i.series or c.name not in own or not c.committed or not c.id \
+                or c.id == i.id:
+            continue
+        seen, cur = set(), c
+        while cur is not None and cur.name not in seen:  # never a base made from i
+            seen.add(cur.name)
+            b = new_base[cur.name] if cur.name in new_base else cur.base
+            if b == i.id:
+                break
+            cur = by_id.get(b, [None])[0] if b else None
+        else:
+            return c.name
+    return None
+
+
+def _chain_names(i: Item, by_id: dict, among: set[str]) -> tuple[str, ...]:
+    """The names of ``i``'s base chain (nearest first) that are in ``among``."""
+    out: list[str] = []
+    todo, seen = [i.base], set()
+    while todo:
+        b = todo.pop(0)
+        if not b or b in seen:
+            continue
+        seen.add(b)
+        for x in by_id.get(b, []):
+            if x.name in among and x.name not in out:
+                out.append(x.name)
+            todo.append(x.base)
+    return tuple(out)

@@ -262,7 +262,7 @@ def promote(src: str, dst: str, src_options: dict | None = None,
             pack: bool | None = None, base: str | None = "auto", level: int = 3,
             on_bytes: Callable[[int], None] | None = None,
             on_total: Callable[[int], None] | None = None, group=None,
-            seal_source: bool | None = None) -> PromoteResult:
+            seal_source: bool | None = None, max_chain: int = 8) -> PromoteResult:
     """Copy the checkpoint at ``src`` to ``dst`` (see the module docstring).
 
     ``bwlimit`` (``"200MiB/s"``) or a shared ``limiter`` caps the bytes sent per second;
@@ -279,7 +279,8 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     copied as it is when ``base`` is ``"auto"`` and its recorded base is reachable from
     ``dst`` (committed, by id: the chain is carried), else packed again, against
     ``base`` (``"auto"``: the newest committed checkpoint beside ``dst``; None: a full
-    pack, with no base at all). Packing and unpacking run through the pack writer: not
+    pack, with no base at all); a chain that would grow past ``max_chain`` (a pack tier's
+    ``max_chain``) gets a full pack. Packing and unpacking run through the pack writer: not
     rate-limited, and a rerun after a crash starts that checkpoint afresh.
     ``delete_source`` never removes a source that the copy still needs (a pack against
     it) or a copy that cannot be restored, nor a source that ``rm`` would keep: one
@@ -332,7 +333,8 @@ def promote(src: str, dst: str, src_options: dict | None = None,
         return _convert(src, dst, src_options, dst_options, pack=mode == "pack", base=base,
                         level=level, workers=workers, delete_source=delete_source,
                         dry_run=dry_run, sealed=sealed, man=man, raw=raw, sstore=sstore,
-                        sfiles=sfiles, on_bytes=on_bytes, on_total=on_total, t0=t0)
+                        sfiles=sfiles, on_bytes=on_bytes, on_total=on_total, t0=t0,
+                        max_chain=max_chain)
     if man is None:  # dry run of an unsealed source: what sealing would list
         from ..formats.manifest import is_temp_name
 
@@ -561,7 +563,7 @@ def _finish(result: PromoteResult, sstore: Store, sfiles: dict[str, int], d: "_D
 def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, level: int,
              workers: int, delete_source: bool, dry_run: bool, sealed: bool, man: Manifest,
              raw: bytes | None, sstore: Store, sfiles: dict[str, int], on_bytes, on_total,
-             t0: float) -> PromoteResult:
+             t0: float, max_chain: int = 8) -> PromoteResult:
     """``promote --pack`` of a plain source, or ``--unpack`` of a pack: the pack writer
     or reader does the copy; the same rails as a plain promote around it."""
     from ..formats.pack import is_pack
@@ -613,6 +615,7 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
     if pack:
         def pack_against(base_url):
             return do_pack(src, dst, base=base_url, level=level, workers=workers, force=force,
+                           max_chain=max_chain,
                            storage_options=src_options, dst_storage_options=dst_options,
                            base_storage_options=dst_options, on_bytes=on_bytes,
                            on_total=on_total,

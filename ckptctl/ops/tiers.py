@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 
-from ..config import Config, Tier, mask_secrets, secret_values
+from ..config import DEFAULT_MAX_CHAIN, Config, Tier, mask_secrets, secret_values
 from ..errors import CkptError, StorageError
 
 #: Name of the probe object, followed by a random suffix; never a checkpoint's name.
@@ -37,6 +37,12 @@ class TierCheck:
     keep: dict | None
     pack: bool
     storage_options: dict
+    #: a pack tier's longest delta chain (a hop past it gets a full pack)
+    max_chain: int = DEFAULT_MAX_CHAIN
+    #: what the tier holds at most under its keep, in words (:func:`holds`), and as a
+    #: number (None: it keeps everything, or a number that grows with the run)
+    holds: str = ""
+    max_checkpoints: int | None = None
     ok: bool | None = None
     code: str | None = None
     reason: str | None = None
@@ -82,7 +88,8 @@ def check_tiers(config: Config, *, check: bool = True, timeout: float | None = N
     {'secret': '***'}
     """
     rows = [TierCheck(i + 1, t.name, t.url, t.bwlimit, dict(t.keep) if t.keep else None, t.pack,
-                      mask_secrets(t.storage_options)) for i, t in enumerate(config.tiers)]
+                      mask_secrets(t.storage_options), t.max_chain, *holds(t))
+            for i, t in enumerate(config.tiers)]
     result = TiersResult(config.path, rows, checked=check)
     if not check:
         return result
@@ -115,6 +122,25 @@ def check_tiers(config: Config, *, check: bool = True, timeout: float | None = N
     return result
 
 
+def holds(tier: Tier) -> tuple[str, int | None]:
+    """What ``tier`` holds at most, in words, and as a number: its ``keep`` applied by
+    ``gc TIER:`` and ``watch``, which on a pack tier re-root a pack kept only as a base,
+    so the count is exact (:meth:`~ckptctl.ops.policy.Policy.holds`).
+
+    >>> holds(Tier("cold", "s3://b/r", keep={"last": 4}, pack=True))
+    ('holds at most 4 checkpoints (keep the last 4; packs kept only as bases are re-rooted)', 4)
+    >>> holds(Tier("warm", "/w"))
+    ('holds every checkpoint (no keep table)', None)
+    """
+    from .policy import Policy
+
+    if not tier.keep:
+        return "holds every checkpoint (no keep table)", None
+    policy = Policy.from_dict(tier.keep, where=f"tier {tier.name}")
+    return (policy.holds(pack=tier.pack, reroot=tier.pack, max_chain=tier.max_chain),
+            policy.bound)
+
+
 def _probe_outcome(tier: Tier) -> tuple[str | None, str | None]:
     """(None, None) when the probe went through, else (problem code, one-line reason
     with no secret in it)."""
@@ -128,9 +154,9 @@ def _probe_outcome(tier: Tier) -> tuple[str | None, str | None]:
 
         err = storage_error(tier.url, e, remote="://" in tier.url)
         code, reason = str(err.code), err.message
-    for s in secret_values(tier.storage_options):
-        reason = reason.replace(s, "***")
-    return code, reason
+    from ..storage.failures import scrub
+
+    return code, scrub(reason, secret_values(tier.storage_options))
 
 
 def probe_tier(tier: Tier) -> None:

@@ -813,7 +813,10 @@ class Watcher:
 
     def _hops(self, p: WatchPass, listings: list, movable: set, start: int = 0) -> None:
         """Promote hop by hop from tier ``start`` on, appending each next tier's listing
-        to ``listings``; from the first tier only the names in ``movable``."""
+        to ``listings``; from the first tier only the names in ``movable``, never a
+        re-root's staged copy (gc's, beside the pack it replaces)."""
+        from ..formats.pack import reroot_target
+
         tiers = self.config.tiers
         for i in range(start, len(tiers) - 1):
             src, dst = tiers[i], tiers[i + 1]
@@ -822,7 +825,7 @@ class Watcher:
             if rows is not None and after is not None:
                 self._adopt_interrupted(src, dst, after)
                 todo = [n for n, r in rows.items() if r.state in COMMITTED
-                        and (i > 0 or n in movable)
+                        and (i > 0 or n in movable) and reroot_target(n) is None
                         and not (n in after and after[n].state in COMMITTED)]
                 for name in todo:
                     if not self._hop(p, src, dst, rows[name], name):
@@ -872,7 +875,8 @@ class Watcher:
                     "bytes": row.bytes})
         try:
             r = promote(row.url, url, src.storage_options, dst.storage_options,
-                        bwlimit=dst.bwlimit, pack=dst.pack, on_bytes=self.touch)
+                        bwlimit=dst.bwlimit, pack=dst.pack, on_bytes=self.touch,
+                        max_chain=dst.max_chain)
         except (CkptError, OSError) as e:
             self._fail(p, key, "promote", dst.name, name, e)
             # a finding is about this checkpoint: the others may still go
@@ -946,7 +950,7 @@ class Watcher:
         try:
             policy = policy or Policy.from_dict(tier.keep, where=f"tier {tier.name}")
             r = gc(tier.url, policy, tier.storage_options, protect=protect, listed=listed,
-                   **gc_kw)
+                   reroot=tier.pack, max_chain=tier.max_chain, **gc_kw)
         except (CkptError, OSError) as e:
             self._fail(p, key, "gc", tier.name, None, e)
             return []
