@@ -11,8 +11,52 @@ from ..errors import exit_status_text
 
 EXIT_STATUS = exit_status_text()  # the table lives in errors.EXIT_CODES
 
+#: ``ckptctl --help`` lists the verbs in these sections, in this order; a verb that is in
+#: none is listed last, under "Other" (a new verb is never left out of the help).
+SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Look", ("ls", "inspect", "latest")),
+    ("Convert", ("reshard", "consolidate", "pack", "unpack")),
+    ("Compare and check", ("diff", "verify", "seal")),
+    ("Tiers and retention", ("tiers", "promote", "gc", "rm", "pin", "unpin")),
+    ("Service", ("watch", "plan", "man")),
+)
+
+
+def sections(names) -> list[tuple[str, list[str]]]:
+    """The verbs ``names`` in :data:`SECTIONS`' order, each under its heading; the rest
+    under "Other"; empty sections left out.
+
+    >>> sections(["gc", "ls", "frob", "inspect"])
+    [('Look', ['ls', 'inspect']), ('Tiers and retention', ['gc']), ('Other', ['frob'])]
+    """
+    names = list(names)
+    placed = {n for _, verbs in SECTIONS for n in verbs}
+    out = [(title, [v for v in verbs if v in names]) for title, verbs in SECTIONS]
+    out.append(("Other", [n for n in names if n not in placed]))
+    return [(title, verbs) for title, verbs in out if verbs]
+
+
+class SectionedGroup(typer.core.TyperGroup):
+    """click's plain group help with the commands in :func:`sections` (typer's
+    ``rich_help_panel`` panels exist only in rich help, which ckptctl does not use)."""
+
+    def format_commands(self, ctx, formatter) -> None:
+        shown = [(n, c) for n in self.list_commands(ctx)
+                 if (c := self.get_command(ctx, n)) is not None and not c.hidden]
+        if not shown:
+            return
+        cmds = dict(shown)
+        width = max(len(n) for n in cmds)
+        limit = formatter.width - 6 - width
+        for title, names in sections(cmds):
+            with formatter.section(title):  # names padded: one column across sections
+                formatter.write_dl([(n.ljust(width), cmds[n].get_short_help_str(limit))
+                                    for n in names])
+
+
 app = typer.Typer(
     name="ckptctl",
+    cls=SectionedGroup,
     help="git + rclone + restic for training checkpoints: inspect, seal and verify; "
          "reshard and consolidate; diff, pack and unpack; promote between tiers, gc, "
          "latest; watch and plan the tiering.\n\n"

@@ -105,8 +105,16 @@ def plan(
         None, "--node-mtbf", metavar="DUR",
         help="Instead of --mtbf: one node's MTBF, as vendors quote it (5y, 50000h); "
              "the job's is DUR / P (--nodes)."),
-    nodes: int = typer.Option(1, "--nodes", metavar="P",
-                              help="Nodes the checkpoint is spread over (each writes S/P)."),
+    nodes: Optional[int] = typer.Option(
+        None, "--nodes", metavar="P",
+        help="Nodes the checkpoint is spread over (each writes S/P); default 1, or "
+             "ceil(--gpus / --gpus-per-node)."),
+    gpus: Optional[int] = typer.Option(
+        None, "--gpus", metavar="N",
+        help="Instead of --nodes: GPUs of the job, with --gpus-per-node."),
+    gpus_per_node: Optional[int] = typer.Option(
+        None, "--gpus-per-node", metavar="K",
+        help="GPUs per node: P = ceil(--gpus / K)."),
     interval: Optional[str] = typer.Option(
         None, "--interval", metavar="DUR",
         help="The interval you use or consider; drains are checked against it (default: "
@@ -170,6 +178,7 @@ def plan(
     """
     from ..errors import UsageError
     from ..ops.plan import TierInput, checkpoint_size as measure_size_of, measure_tier
+    from ..ops.plan import nodes_from_gpus
     from ..ops.plan import plan as do_plan
     from .common import current_config, resolve_place
 
@@ -190,6 +199,7 @@ def plan(
     if mtbf is None and node_mtbf is None:
         raise UsageError("give --mtbf DUR (the job's mean time between failures, e.g. 2.8h)"
                          " or --node-mtbf DUR (one node's, e.g. 5y)")
+    nodes_from_gpus(nodes, gpus, gpus_per_node)  # exit 2 before any tier is measured
     mtbf_s = _duration("--mtbf", mtbf)
     node_mtbf_s = _duration("--node-mtbf", node_mtbf)
     write_rate = _rate("--write-bandwidth", write_bandwidth)
@@ -217,7 +227,8 @@ def plan(
         tiers.append(TierInput(t.name, t.url, t.bwlimit, m))
     r = do_plan(size, save_seconds, mtbf_s, nodes=nodes, interval_seconds=interval_s,
                 tiers=tiers, checkpoint_url=url, node_mtbf_seconds=node_mtbf_s,
-                node_write_bytes_per_second=write_rate)
+                node_write_bytes_per_second=write_rate, gpus=gpus,
+                gpus_per_node=gpus_per_node)
     if not quiet:
         for w in r.warnings:
             print(f"ckptctl: warning: {w}", file=sys.stderr)
@@ -250,8 +261,12 @@ def _show(r) -> None:
                 f"{r.save_seconds:,.3g} s (--write-bandwidth: a lower bound)")
     else:
         save = f"save C = {r.save_seconds:g} s"
+    gpus = ""
+    if r.gpus is not None:
+        per = f", {r.gpus_per_node} per node" if r.gpus_per_node else ""
+        gpus = f" ({r.gpus:,} GPU{'s' if r.gpus != 1 else ''}{per})"
     say(f"checkpoint S = {human_bytes(r.checkpoint_bytes)} ({r.checkpoint_bytes:,} bytes){src}"
-        f" on P = {r.nodes} node{'s' if r.nodes != 1 else ''}; {save}")
+        f" on P = {r.nodes} node{'s' if r.nodes != 1 else ''}{gpus}; {save}")
     if r.mtbf_source == "node":
         say(f"MTBF M = node MTBF {_long(r.node_mtbf_seconds)} / {r.nodes} = "
             f"{human_seconds(r.mtbf_seconds)} (--node-mtbf, independent node failures); "
@@ -303,6 +318,11 @@ def _show(r) -> None:
                  at_least(x.rate_kind, x.seconds)]
                 for i, x in enumerate(r.recovery)]
         print_table(["recover from", "reads", "rate", "rate from", "time"], rows)
+    if r.rates_unknown:  # nothing to check a drain against: say how to learn the rates
+        say("every hop's rate is unknown (no bwlimit, nothing measured): rerun with "
+            + " ".join(f"--measure {h}" for h in [r.hops[0].src, *(h.dst for h in r.hops)])
+            + " to time each tier, or see `ckptctl watch --status` for the rates a running "
+            "watch measured")
     if any(h.rate_kind == "ceiling" for h in r.hops) or \
             any(x.rate_kind == "ceiling" for x in r.recovery):
         say("<= a ceiling (a bwlimit, or one end measured), not a rate: the real rate may "

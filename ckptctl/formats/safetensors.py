@@ -112,11 +112,13 @@ def parse_header(head: bytes, file_size: int, *, where: str) -> tuple[dict, int]
         if offs[1] - offs[0] != nbytes:
             raise FormatError(where, f"{name}: {offs[1] - offs[0]} bytes stored, "
                               f"{nbytes} expected for {e['dtype']}{shape}")
-        if offs[1] > data_size:
-            raise FormatError(where, f"{name}: data_offsets run past the end of the file",
-                              code="OUT_OF_BOUNDS")
         spans.append((offs[0], offs[1], name))
     spans.sort()
+    end = max((e for _, e, _ in spans), default=0)
+    if end > data_size:  # the data runs past the end of the file: cut short
+        raise FormatError(where, f"truncated safetensors: the header says the data ends at "
+                          f"byte {data_start + end}, past the end of the file ({file_size} "
+                          "bytes)", code="SIZE_MISMATCH")
     pos = 0
     for b, e, name in spans:
         if b != pos:
@@ -131,15 +133,30 @@ def parse_header(head: bytes, file_size: int, *, where: str) -> tuple[dict, int]
 
 
 def header_length(head: bytes, file_size: int, *, where: str) -> int:
-    """The declared JSON header length, bounded before anything is allocated."""
+    """The declared JSON header length, bounded before anything is allocated. Bytes that
+    are no safetensors file (no ``{`` opening a JSON header after the length) say so.
+
+    >>> header_length(b"\\x3f\\x9a" * 8, 16, where="x.safetensors")
+    Traceback (most recent call last):
+    ckptctl.errors.FormatError: x.safetensors: not a safetensors file (what follows the 8-byte header length is not valid JSON: it does not open with '{'; the first bytes are 3f 9a 3f 9a 3f 9a 3f 9a 3f 9a ...)
+    >>> header_length(b"\\x40" + bytes(7) + b"{}", 10, where="x.safetensors")
+    Traceback (most recent call last):
+    ckptctl.errors.FormatError: x.safetensors: truncated safetensors: header length 64 is larger than the file (10 bytes)
+    """
     if len(head) < 8 or file_size < 8:
-        raise FormatError(where, "file is too short to be safetensors")
+        raise FormatError(where, "file is too short to be safetensors "
+                          f"({file_size} byte{'s' if file_size != 1 else ''})")
+    if len(head) > 8 and head[8:9] != b"{":  # the format's spec: the header opens with "{"
+        shown = " ".join(f"{b:02x}" for b in head[:10]) + (" ..." if len(head) > 10 else "")
+        raise FormatError(where, "not a safetensors file (what follows the 8-byte header "
+                          "length is not valid JSON: it does not open with '{'; the first "
+                          f"bytes are {shown})")
     (n,) = struct.unpack("<Q", head[:8])
     if n > MAX_SAFETENSORS_HEADER:
         raise UnsafeInputError(where, f"header length {n} exceeds the 100 MB limit")
     if 8 + n > file_size:
-        raise FormatError(where, f"header length {n} is larger than the file ({file_size} bytes)",
-                          code="SIZE_MISMATCH")
+        raise FormatError(where, f"truncated safetensors: header length {n} is larger than "
+                          f"the file ({file_size} bytes)", code="SIZE_MISMATCH")
     return n
 
 

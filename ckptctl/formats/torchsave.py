@@ -29,6 +29,11 @@ from .safe_pickle import check_graph
 SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 INDEX_SUFFIX = ".bin.index.json"
 ZIP_MAGIC = b"PK\x03\x04"
+#: ``torch.serialization.MAGIC_NUMBER`` as the legacy format pickles it first (LONG1, 10
+#: bytes little-endian), right after the protocol opcode (and a frame, from protocol 4).
+LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+#: How many bytes :func:`torch_bytes_problem` reads first (a tar's ``ustar`` at 257).
+SNIFF_BYTES = 512
 
 
 def is_torch_file(name: str) -> bool:
@@ -77,20 +82,100 @@ def flatten(obj, prefix: str = "", *, where: str | None = None) -> dict[str, obj
     return out
 
 
+def _hex(head: bytes, n: int = 8) -> str:
+    return " ".join(f"{b:02x}" for b in head[:n]) + (" ..." if len(head) > n else "")
+
+
+def _zip_problem(store: Store, rel: str, size: int) -> str | None:
+    """Why a file that starts as a zip is no readable torch.save zip (cut short or damaged
+    before its central directory, or no ``data.pkl`` record in it), or None."""
+    from .torchzip import EOCD_SIG, TAIL_GUESS, central_directory
+
+    tail = store.read_range(rel, max(0, size - TAIL_GUESS), size)
+    if EOCD_SIG not in tail:  # a zip ends with this record: a torch.save file cut short
+        return (f"a zip cut short or damaged (no end of central directory record at its "
+                f"end; the file has {size:,} bytes): not a readable torch.save file")
+    try:
+        entries, need = central_directory(tail, size)
+        if need:
+            if need > 64 << 20:
+                return f"a zip whose directory claims {need:,} bytes: not a torch.save file"
+            entries, _ = central_directory(store.read_range(rel, size - need, size), size)
+    except FormatError as e:
+        return f"a damaged zip ({e.message}): not a readable torch.save file"
+    if any(e.name == "data.pkl" or e.name.endswith("/data.pkl") for e in entries):
+        return None
+    shown = ", ".join(e.name for e in entries[:3]) + (", ..." if len(entries) > 3 else "")
+    return (f"not a torch.save file (a zip archive without a data.pkl record: "
+            f"{len(entries)} record{'s' if len(entries) != 1 else ''}"
+            f"{': ' + shown if shown else ''})")
+
+
+def torch_bytes_problem(store: Store, rel: str, size: int) -> str | None:
+    """What the torch-suffixed file ``rel`` is not, from its first bytes (and a zip's
+    central directory), before anything imports torch; None when the bytes may be a
+    torch.save file: a zip with a ``data.pkl`` record, a legacy torch pickle (a pickle
+    protocol opcode, then torch's magic number) or a pre-1.0 tar. One or two small reads.
+
+    >>> import tempfile, pathlib
+    >>> from ckptctl.storage import open_store
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "x.pt").write_bytes(b"?\\x9a junk!!")
+    >>> torch_bytes_problem(open_store(str(d)), "x.pt", 9)
+    'not a torch.save file (neither a zip with data.pkl nor a legacy torch pickle: the first bytes are 3f 9a 20 6a 75 6e 6b 21 ...)'
+    """
+    if size == 0:
+        return "not a torch.save file (the file is empty)"
+    head = store.read_range(rel, 0, min(size, SNIFF_BYTES))
+    if head.startswith(ZIP_MAGIC):
+        return _zip_problem(store, rel, size)
+    if head[:1] == b"\x80" and head[1:2] in (b"\x02", b"\x03", b"\x04", b"\x05"):
+        if LEGACY_MAGIC in head[:32]:
+            return None
+        return ("not a torch.save file (a Python pickle without torch's magic number: "
+                f"torch.load cannot read it; the first bytes are {_hex(head)})")
+    if head.startswith(b"L%dL\n" % int.from_bytes(LEGACY_MAGIC[2:], "little")):
+        return ("a legacy torch.save file of pickle protocol 0 or 1, which weights-only "
+                "loading cannot read (load it with torch and save it again)")
+    if head[257:262] == b"ustar":  # torch's pre-1.0 tar format: torch.load reads it
+        return None
+    return ("not a torch.save file (neither a zip with data.pkl nor a legacy torch pickle: "
+            f"the first bytes are {_hex(head)})")
+
+
+def check_torch_bytes(store: Store, rel: str, size: int | None = None) -> None:
+    """Raise :class:`~ckptctl.errors.FormatError` with :func:`torch_bytes_problem`'s
+    answer, if any: garbage is refused in ckptctl's words before torch is imported.
+
+    >>> import tempfile, pathlib
+    >>> from ckptctl.storage import open_store
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "e.bin").write_bytes(b"")
+    >>> check_torch_bytes(open_store(str(d)), "e.bin")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ckptctl.errors.FormatError: ...e.bin: not a torch.save file (the file is empty)
+    """
+    if size is None:
+        size = store.size(rel)
+    why = torch_bytes_problem(store, rel, size)
+    if why:
+        raise FormatError(store.display(rel), why)
+
+
 def _is_zip(path: str) -> bool:
     with open(path, "rb") as f:
         return f.read(4) == ZIP_MAGIC
 
 
-def load_torch_file(store: Store, rel: str):
+def load_torch_file(store: Store, rel: str, size: int | None = None):
     """``torch.load`` a file safely: weights only, memory-mapped when it is a local zip
-    (the legacy non-zip format cannot be mapped: it is read into memory)."""
+    (the legacy non-zip format cannot be mapped: it is read into memory). Bytes that are
+    no torch.save file are refused first, without torch (:func:`check_torch_bytes`)."""
     import pickle
 
     from .._deps import require_torch
     from .safe_pickle import numpy_globals
 
     where = store.display(rel)
+    check_torch_bytes(store, rel, size)
     torch = require_torch(where)
     path = store.local_path(rel)
     tmp = None
@@ -147,8 +232,8 @@ def add_torch_file(ck: Checkpoint, store: Store, rel: str, size: int, prefix: st
     from .._deps import require_torch
 
     where = store.display(rel)
+    obj = load_torch_file(store, rel, size)  # garbage is refused before torch is imported
     torch = require_torch(where)
-    obj = load_torch_file(store, rel)
     flat = flatten(obj, where=where)
     head = tuple(prefix.rstrip(".").split(".")) if prefix else ()
     loaded = ck.info.setdefault("loaded", {}).setdefault(rel, {})

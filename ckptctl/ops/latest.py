@@ -2,7 +2,8 @@
 
 Committed means ``sealed`` (a manifest, every file it lists there at its size) or
 ``complete`` (the format's own commit marker, every data file present); newest means the
-highest step, then the newest commit time, then the name (natural order). With
+highest step, then the newest commit time, then the name (natural order); a tie at the
+answer's step is reported (``tie``: the others, and what decided). With
 ``verified``, candidates are checked newest first with ``verify --level full`` (content
 hashes, or every zip record's CRC) and the first that passes is the answer.
 
@@ -37,9 +38,50 @@ class LatestResult:
     #: DeepSpeed's ``latest``) that name another checkpoint: what that framework resumes
     #: from instead (``{"file", "names", "present"}``, :func:`~ckptctl.formats.locate.pointers`)
     disagrees: list[dict] = field(default_factory=list)
+    #: other committed checkpoints at the answer's step, and what broke the tie:
+    #: ``{"others": [names], "chosen_by": "modified" | "name"}`` (:func:`tie_break`); None
+    #: when the answer's step is its own
+    tie: dict | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def tie_note(self) -> str | None:
+        """The tie at the answer's step in words (for stderr), or None.
+
+        >>> LatestResult("r", "r/b", "b", 5, "sealed", tie={"others": ["a"],
+        ...              "chosen_by": "modified"}).tie_note()
+        'step 5 has 2 committed checkpoints (b, a): took b, the one modified last'
+        """
+        if not self.tie:
+            return None
+        names = [self.name, *self.tie["others"]]
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        how = ("the one modified last" if self.tie["chosen_by"] == "modified" else
+               "the last by name (natural order): their modification times are equal")
+        return (f"step {self.step} has {len(names)} committed checkpoints ({shown}): "
+                f"took {self.name}, {how}")
+
+
+def tie_break(answer: CheckpointRow, candidates: list[CheckpointRow]) -> dict | None:
+    """The other ``candidates`` (committed, newest first, not yet ruled out) at ``answer``'s
+    step and what put ``answer`` first (:func:`~ckptctl.ops.policy.newest_first`): a later
+    modification time, else the name; None without a tie (or without a step).
+
+    >>> rows = [CheckpointRow(n, n, 5, "dcp", "sealed", "", 1, 1, t) for n, t in
+    ...         [("b", 2.0), ("a", 2.0), ("c", 1.0)]]
+    >>> tie_break(rows[0], rows)
+    {'others': ['a', 'c'], 'chosen_by': 'name'}
+    >>> tie_break(rows[2], rows[2:]) is None
+    True
+    """
+    if answer.step is None:
+        return None
+    others = [r for r in candidates if r.step == answer.step and r.name != answer.name]
+    if not others:
+        return None
+    newer = (answer.modified or 0.0) > max(r.modified or 0.0 for r in others)
+    return {"others": [r.name for r in others], "chosen_by": "modified" if newer else "name"}
 
 
 def committed_newest_first(rows: list[CheckpointRow]) -> list[CheckpointRow]:
@@ -97,8 +139,9 @@ def latest(root: str, storage_options: dict | None = None, *,
         folder, _, leaf = row.name.rpartition("/")
         disagrees = [p for p in listing.pointers
                      if p["file"].rpartition("/")[0] == folder and p["names"] != leaf]
+        tie = tie_break(row, [r for r in committed_newest_first(rows) if r.name not in tried])
         return LatestResult(listing.root, row.url, row.name, row.step, row.state, rejected,
-                            disagrees)
+                            disagrees, tie)
 
 
 #: Provisional candidates ``latest`` reads at once (in parallel): the newest one is nearly

@@ -138,6 +138,43 @@ def system_mtbf(node_mtbf_seconds: float, nodes: int) -> float:
     return node_mtbf_seconds / nodes
 
 
+def nodes_from_gpus(nodes: int | None = None, gpus: int | None = None,
+                    gpus_per_node: int | None = None) -> int:
+    """P, the nodes a checkpoint is spread over, from ``--nodes``, or ``--gpus`` and
+    ``--gpus-per-node`` (P = ceil(GPUs / per node)); 1 when none is given. A count that
+    is not a whole number >= 1, and any two that contradict each other, are a UsageError.
+
+    >>> nodes_from_gpus(), nodes_from_gpus(4), nodes_from_gpus(None, 64, 8), nodes_from_gpus(None, 60, 8)
+    (1, 4, 8, 8)
+    >>> nodes_from_gpus(8, 64, 8), nodes_from_gpus(8, 64), nodes_from_gpus(8, None, 4)
+    (8, 8, 8)
+    >>> nodes_from_gpus(4, 64, 8)
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: --nodes 4 contradicts --gpus 64 at --gpus-per-node 8 (8 nodes): give --nodes, or --gpus and --gpus-per-node
+    """
+    for flag, n in (("--nodes", nodes), ("--gpus", gpus), ("--gpus-per-node", gpus_per_node)):
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise UsageError(f"{flag} must be a whole number >= 1, not {n!r}")
+    if gpus is not None and gpus_per_node is not None:
+        derived = -(-gpus // gpus_per_node)
+        if nodes is not None and nodes != derived:
+            raise UsageError(f"--nodes {nodes} contradicts --gpus {gpus} at --gpus-per-node "
+                             f"{gpus_per_node} ({derived} node{'s' if derived != 1 else ''}):"
+                             " give --nodes, or --gpus and --gpus-per-node")
+        return derived
+    if gpus is not None:
+        if nodes is None:
+            raise UsageError(f"--gpus {gpus} needs --gpus-per-node K (nodes = ceil(GPUs / K))"
+                             " or --nodes P")
+        if gpus < nodes:
+            raise UsageError(f"--gpus {gpus} cannot fill --nodes {nodes}: fewer GPUs than "
+                             "nodes")
+    elif gpus_per_node is not None and nodes is None:
+        raise UsageError(f"--gpus-per-node {gpus_per_node} needs --gpus N (nodes = ceil(N / "
+                         f"{gpus_per_node})) or --nodes P")
+    return 1 if nodes is None else nodes
+
+
 def save_seconds_from_bandwidth(size_bytes: int, nodes: int, node_bytes_per_second: float
                                 ) -> float:
     """C from one node's write bandwidth to the first tier: every node writes its S/P at
@@ -315,6 +352,18 @@ class PlanResult:
     save_source: str = "save-seconds"
     node_write_bytes_per_second: float | None = None
     warnings: list[str] = field(default_factory=list)
+    #: what P came from, when given: all GPUs, and GPUs per node
+    gpus: int | None = None
+    gpus_per_node: int | None = None
+
+    @property
+    def rates_unknown(self) -> bool:
+        """No tier hop has a rate (no bwlimit, nothing measured): no drain can be checked.
+
+        >>> plan(10**12, 60, 10080, tiers=[TierInput("hot"), TierInput("warm")]).rates_unknown
+        True
+        """
+        return bool(self.hops) and all(h.bytes_per_second is None for h in self.hops)
 
     @property
     def save_mtbf_ratio(self) -> float:
@@ -363,6 +412,8 @@ class PlanResult:
             "checkpoint_url": self.checkpoint_url,
             "checkpoint_bytes": self.checkpoint_bytes,
             "nodes": self.nodes,
+            "gpus": self.gpus,
+            "gpus_per_node": self.gpus_per_node,
             "save_seconds": self.save_seconds,
             "save_source": self.save_source,
             "node_write_bytes_per_second": whole_rate(self.node_write_bytes_per_second),
@@ -408,11 +459,13 @@ def _pct(x: float) -> str:
 
 
 def plan(size_bytes: int, save_seconds: float | None = None,
-         mtbf_seconds: float | None = None, *, nodes: int = 1,
+         mtbf_seconds: float | None = None, *, nodes: int | None = None,
          interval_seconds: float | None = None, tiers: list[TierInput] | tuple = (),
          checkpoint_url: str | None = None, node_mtbf_seconds: float | None = None,
-         node_write_bytes_per_second: float | None = None) -> PlanResult:
-    """Every figure for a checkpoint of ``size_bytes`` on ``nodes`` nodes that blocks
+         node_write_bytes_per_second: float | None = None, gpus: int | None = None,
+         gpus_per_node: int | None = None) -> PlanResult:
+    """Every figure for a checkpoint of ``size_bytes`` on ``nodes`` nodes (or ``gpus`` at
+    ``gpus_per_node``: :func:`nodes_from_gpus`; default 1) that blocks
     training ``save_seconds`` per save (or S / (P ``node_write_bytes_per_second``)), with
     failures every ``mtbf_seconds`` on average (or ``node_mtbf_seconds`` / P), over
     ``tiers`` (hottest first; the first is node-local). Inputs out of range, both or
@@ -436,8 +489,7 @@ def plan(size_bytes: int, save_seconds: float | None = None,
     ckptctl.errors.UsageError: save time C = 3600 s is 100% of the MTBF M = 3600 s: ...
     """
     _positive(size_bytes, "the checkpoint size")
-    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
-        raise UsageError(f"--nodes must be a whole number >= 1, not {nodes!r}")
+    nodes = nodes_from_gpus(nodes, gpus, gpus_per_node)
     if (save_seconds is None) == (node_write_bytes_per_second is None):
         raise UsageError("give one of --save-seconds C and --write-bandwidth RATE"
                          if save_seconds is not None else
@@ -496,7 +548,8 @@ def plan(size_bytes: int, save_seconds: float | None = None,
         else "write-bandwidth",
         node_write_bytes_per_second=None if node_write_bytes_per_second is None
         else float(node_write_bytes_per_second),
-        warnings=warnings)
+        warnings=warnings, gpus=gpus if gpus is not None else
+        None if gpus_per_node is None else nodes * gpus_per_node, gpus_per_node=gpus_per_node)
 
 
 def drains(size_bytes: int, tiers: list[TierInput] | tuple, *, nodes: int = 1,

@@ -195,9 +195,43 @@ def storage_error(shown: str, e: BaseException, *, remote: bool = False,
     return bad(f"storage error ({type(e).__name__}{': ' + detail if detail else ''})")
 
 
-def scrub(message: str, secrets: list[str] | None) -> str:
-    for s in secrets or ():
-        message = message.replace(s, "***")
+#: Secrets shorter than this are masked only where they stand alone as a token: a key
+#: ``a`` must not turn "unreachable" into "unre***ch***le". Longer ones are masked
+#: wherever they appear (a credential glued to other text still never shows).
+MIN_INNER_SECRET = 4
+_ALNUM = r"[^\W_]"  # a letter or digit, any script
+
+
+def _secret_pattern(secret: str) -> str:
+    """A regex for ``secret`` as a whole token: no letter or digit may touch an edge of it
+    that is itself a letter or digit (an edge such as ``/`` or ``=`` is a boundary)."""
+    body = re.escape(secret)
+    if re.match(_ALNUM, secret[0]):
+        body = f"(?<!{_ALNUM})" + body
+    if re.match(_ALNUM, secret[-1]):
+        body += f"(?!{_ALNUM})"
+    return body
+
+
+def scrub(message: str, secrets: list[str] | None, mask: str = "***") -> str:
+    """``message`` with every secret value replaced by ``mask``: whole-token occurrences of
+    any secret, and every occurrence of one at least :data:`MIN_INNER_SECRET` characters
+    long. Longest first, so a secret that contains another is masked whole.
+
+    >>> scrub("remote unreachable (key a, secret=a)", ["a"])
+    'remote unreachable (key ***, secret=***)'
+    >>> scrub("signed by AKIA1234 for xAKIA1234y", ["AKIA1234"])
+    'signed by *** for x***y'
+    >>> scrub("nothing to hide", ["hunter2"])
+    'nothing to hide'
+    """
+    for s in sorted({s for s in secrets or () if s}, key=len, reverse=True):
+        if s not in message:
+            continue
+        if len(s) >= MIN_INNER_SECRET:
+            message = message.replace(s, mask)
+        else:
+            message = re.sub(_secret_pattern(s), lambda _m: mask, message)
     return message
 
 
