@@ -172,7 +172,10 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
         raise FormatError(url, "pack is not committed (no manifest: a pack write did not "
                           "finish)", code="NOT_COMMITTED")
     elif fmt in ("composite", "safetensors", "torch"):
-        ck = composite.read_folder(store, files)
+        try:
+            ck = composite.read_folder(store, files)
+        except UnsupportedFormatError as e:  # a file it cannot place: garbage says so
+            raise unplaced_garbage(store, files, e) or e from None
     else:
         refuse_if_several(url, files)  # a run folder: "holds 3 checkpoints", exit 2
         shown = ", ".join(list(files)[:5])
@@ -185,6 +188,30 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
         ck.info["pack"] = store.info()
     resolve_step(ck, url, read_step=read_step)
     return ck
+
+
+def unplaced_garbage(store: Store, files: dict[str, int],
+                     e: UnsupportedFormatError) -> UnsupportedFormatError | None:
+    """For the folder reader's refusal of a torch-suffixed file it cannot place (``x.bin``
+    beside ``model.safetensors``): the same refusal saying what the bytes are not, when
+    they are no torch.save file (:func:`~.torchsave.torch_bytes_problem`); else None.
+
+    >>> import tempfile, pathlib
+    >>> from ckptctl.storage import open_store
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "x.bin").write_bytes(b"")
+    >>> st = open_store(str(d)); e = UnsupportedFormatError(st.display("x.bin"), "cannot place")
+    >>> unplaced_garbage(st, {"x.bin": 0}, e).message
+    'not a torch.save file (the file is empty), beside the model files; refusing rather than leaving it out'
+    """
+    rel = next((f for f in files if torchsave.is_torch_file(f) and store.display(f) == e.path),
+               None)
+    if rel is None:
+        return None
+    why = torchsave.torch_bytes_problem(store, rel, files[rel])
+    if why is None:
+        return None
+    return UnsupportedFormatError(e.path, f"{why}, beside the model files; refusing rather "
+                                  "than leaving it out")
 
 
 def resolve_step(ck: Checkpoint, url: str, *, read_step: bool = True) -> None:
