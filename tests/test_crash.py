@@ -127,7 +127,7 @@ def _check_killed(cli, dst: Path, ts: dict, fmt: str, stats: dict) -> None:
         code, out, err = cli("verify", str(dst), "--level", "full", "--json")
         full = json.loads(out)
         assert {p["code"] for p in full["problems"]} <= {"STRAY_TEMP"}, out + err
-        assert code == (1 if full["problems"] else 0), out + err
+        assert code == 0 and full["ok"], out + err  # a stray temp file: a warning, exit 0
         stats["stray_temp"] = stats.get("stray_temp", 0) + bool(full["problems"])
         _tensors_equal_source(dst, ts, fmt)
         stats["verified"] = stats.get("verified", 0) + 1

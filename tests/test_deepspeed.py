@@ -385,8 +385,8 @@ def test_ls_latest_and_verify_of_a_save_folder(deepspeed_ckpts, cli):
     assert (code, err) == (0, "") and out.strip().endswith("/global_step3"), out
     assert Path(out.strip()).resolve() == v.tag_dir.resolve()
     r = _json(cli, "verify", str(v.tag_dir), "--level", "full")
-    assert r["ok"] and r["problems"] == [] and r["num_files"] == 3 and r["files_read"] == 3
-    assert r["tensors_checked"] == 33
+    assert r["ok"] and r["problems"] == [] and r["num_files"] == 3 and r["num_files_read"] == 3
+    assert r["num_tensors_checked"] == 33
 
 
 def _diff(cli, a: str, b: str) -> dict:

@@ -476,9 +476,9 @@ def test_verify_full_torchrun_gathers_findings(one_proc, tmp_path):
     got = docs[0]
     assert ("HASH_MISMATCH", str(ck / "__1_0.distcp"), None) in _findings(got)
     assert _findings(got) == _findings(want)
-    for key in ("ok", "files_read", "tensors_checked", "content", "bytes_read", "num_files"):
+    for key in ("ok", "num_files_read", "num_tensors_checked", "content", "bytes_read", "num_files"):
         assert got[key] == want[key], key
-    assert [docs[r]["files_read"] for r in (1, 2, 3)] == [2, 2, 1]
+    assert [docs[r]["num_files_read"] for r in (1, 2, 3)] == [2, 2, 1]
 
 
 @pytest.mark.slow
@@ -495,7 +495,7 @@ def test_verify_full_file_rendezvous_unsealed(fsdp, tmp_path):
     for r, p in enumerate(ps):
         assert p.returncode == 0, f"rank {r}: {_tail(p.stdout + p.stderr)}"
     got = json.loads(ps[0].stdout)
-    for key in ("ok", "files_read", "tensors_checked", "content", "non_finite", "bytes_read"):
+    for key in ("ok", "num_files_read", "num_tensors_checked", "content", "non_finite", "bytes_read"):
         assert got[key] == want[key], key
     assert got["content"] == "crc"
     assert not any(meet.rglob("*.json"))

@@ -1,10 +1,11 @@
 """``--json`` is one schema across commands (issue 8, item 2; README "JSON output"):
 
-* every document carries ``"schema_version": 2`` (2: issue 21's one vocabulary renamed keys);
+* every document carries ``"schema_version": 3`` (2: issue 21's one vocabulary renamed keys;
+  3: issue 35's, verify's counts and verdict);
 * the same key means the same thing everywhere: ``url`` (the checkpoint's URL; ``src`` and
   ``dst`` for conversions), ``bytes`` (a byte count), ``files`` (always a list of names),
   ``num_files`` (always a count), ``seconds`` (a duration), times as ISO-8601 UTC strings;
-* on failure stdout holds ``{"schema_version": 2, "error": {code, exit_code, message,
+* on failure stdout holds ``{"schema_version": 3, "error": {code, exit_code, message,
   path}}`` beside the one line on stderr.
 
 Every command is run through the CLI on a real DCP checkpoint that torch wrote, success
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl.formats.manifest import MANIFEST
+from ckptctl.ops.vocabulary import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
 #: keys whose meaning the schema fixes, and the type each must have wherever it appears
@@ -47,7 +49,7 @@ def _walk(doc, where="$"):
 
 
 def _check_schema(doc: dict) -> None:
-    assert doc["schema_version"] == 2
+    assert doc["schema_version"] == SCHEMA_VERSION
     assert next(iter(doc)) == "schema_version"  # first, so `head` shows it
     for where, d in _walk(doc):
         for k, v in d.items():
@@ -73,7 +75,7 @@ def _json_error(cli, code_, *args) -> dict:
     code, out, err = cli(*args, "--json")
     assert code == code_, (code, out, err)
     doc = json.loads(out)
-    assert set(doc) == {"schema_version", "error"} and doc["schema_version"] == 2, doc
+    assert set(doc) == {"schema_version", "error"} and doc["schema_version"] == SCHEMA_VERSION, doc
     e = doc["error"]
     assert set(e) == ERROR_KEYS and e["exit_code"] == code, e
     assert isinstance(e["code"], str) and e["code"].isupper() and e["message"], e
@@ -384,8 +386,8 @@ def test_interrupted_json_error(tmp_path):
     assert p.returncode == 130, (out, err)
     assert err.strip().splitlines() == ["ckptctl: interrupted"], err
     doc = json.loads(out)
-    assert doc == {"schema_version": 2, "error": {"code": "INTERRUPTED", "exit_code": 130,
-                                                  "message": "interrupted", "path": None}}
+    want = {"code": "INTERRUPTED", "exit_code": 130, "message": "interrupted", "path": None}
+    assert doc == {"schema_version": SCHEMA_VERSION, "error": want}
 
 
 def test_plan_json(cli, run, tmp_path):
@@ -418,7 +420,7 @@ def test_every_command_with_json_is_covered():
                  if any("--json" in p.opts for p in cmd.params)}
     covered = {"ls", "inspect", "verify", "seal", "reshard", "consolidate", "tiers", "gc",
                "promote", "pack", "unpack", "diff", "plan", "watch", "latest", "rm", "pin",
-               "unpin"}
+               "unpin", "man"}  # man: tests/test_garbage_and_traps.py
     assert with_json == covered, with_json ^ covered
 
 

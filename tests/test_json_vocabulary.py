@@ -1,9 +1,13 @@
-"""One vocabulary across verbs (issue 21 part 4): every verb is run with ``--json`` on small
-real checkpoints (DCP written by torch, its pack, its reshard), every key path of every
-document is collected, and the test fails when
+"""One vocabulary across verbs (issue 21 part 4, issue 35 item 9): every verb is run with
+``--json`` on small real checkpoints (DCP written by torch, its pack, its reshard), every
+key path of every document is collected, and the test fails when
 
 * two names of one meaning (:data:`ckptctl.ops.vocabulary.SYNONYMS`) both appear, or the
   one that appears is not the chosen one (a retired key is back);
+* verbs that describe one checkpoint (an ``ls`` row, ``inspect``, ``verify``, ``latest``,
+  ``seal``, ``pin``, ``rm``; unsealed, sealed, with a user's file beside it, packed) give
+  a key they share two values (:func:`disagreements`): a key whose meaning differs between
+  verbs;
 * a size, count or rate (:func:`~ckptctl.ops.vocabulary.must_be_int`) is not an integer;
 * a verb that has ``--json`` is not in the walk;
 * the README's "JSON vocabulary" table is not the one :data:`VOCABULARY` generates.
@@ -89,6 +93,7 @@ def documents(tmp_path_factory, monkeypatch_module) -> dict[str, list[dict]]:
     add("watch", "--config", str(cfg), "watch", "--status")
     add("rm", "rm", str(d / "u"))
     add("rm", "rm", str(d / "nope"), codes=(3,))  # an error document
+    add("man", "man")
     return docs
 
 
@@ -181,3 +186,139 @@ def test_readme_lists_the_vocabulary():
     assert docsgen.vocabulary_table() in readme
     for key in VOCABULARY:
         assert f"`{key.split(',')[0]}" in readme, key
+
+
+# ------------------------------------------------- one value per key (issue 35, item 9)
+
+#: Keys whose value is free text about the object it sits in (why a state, why a pin):
+#: two verbs may say different things there without a second meaning.
+FREE_TEXT = {"reason", "message", "note", "notes"}
+#: Keys that measure one run rather than describe the checkpoint.
+PER_RUN = {"seconds", "bytes_per_second", "action", "changed"}
+
+
+def disagreements(views: dict[str, dict]) -> list[str]:
+    """What several verbs say differently of one checkpoint: ``views`` maps a verb to the
+    part of its ``--json`` document that describes it (an ``ls`` row, ``inspect``'s whole
+    document...); each key two or more of them carry must have one value there.
+
+    >>> disagreements({"ls": {"num_files": 3, "step": 7}, "verify": {"num_files": 2,
+    ...                "step": 7}, "inspect": {"num_files": 3}})
+    ["num_files: {'ls': 3, 'verify': 2, 'inspect': 3}"]
+    """
+    shared: dict[str, dict[str, object]] = {}
+    for verb, view in views.items():
+        for key, value in view.items():
+            if key not in FREE_TEXT | PER_RUN:
+                shared.setdefault(key, {})[verb] = value
+    return [f"{key}: {values}" for key, values in sorted(shared.items())
+            if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1]
+
+
+def _in(workdir: Path, *args: str, codes=(0,)) -> dict:
+    """``ckptctl ARGS --json`` run in ``workdir`` (places given relative to it)."""
+    import os
+
+    here = os.getcwd()
+    os.chdir(workdir)
+    try:
+        return _ok(*args, codes=codes)
+    finally:
+        os.chdir(here)
+
+
+def _row(ls_doc: dict, name: str) -> dict:
+    return next(c for c in ls_doc["checkpoints"] if c["name"] == name)
+
+
+def describe(workdir: Path, root: str, name: str, *, seal: bool = False) -> dict[str, dict]:
+    """Every verb's view of the checkpoint ``root/name`` (paths relative to ``workdir``):
+    first, with ``seal``, ``seal`` of it (sealing, or verifying its seal); then its ``ls``
+    row, ``inspect``, ``verify --level full`` and ``latest`` (the newest under ``root``)."""
+    ck = f"{root}/{name}"
+    views = {"seal": _in(workdir, "seal", ck)} if seal else {}
+    views.update({"ls": _row(_in(workdir, "ls", root), name),
+                  "inspect": _in(workdir, "inspect", ck),
+                  "verify": _in(workdir, "verify", ck, "--level", "full"),
+                  "latest": _in(workdir, "latest", root)})
+    for verb in ("inspect", "verify"):  # what they list of its insides is theirs alone
+        for key in ("tensors", "objects", "tree", "dtypes", "layout", "closure", "metadata"):
+            views[verb].pop(key, None)
+    return views
+
+
+@pytest.fixture(scope="module")
+def described(tmp_path_factory, torch_ckpts) -> dict[str, dict[str, dict]]:
+    """A DCP checkpoint torch wrote (FSDP, 4 ranks) as every verb describes it, given as
+    relative paths: unsealed, sealed, sealed with a user's NOTES.md beside it, pinned, its
+    pack, and the pack's removal. Phase -> verb -> view."""
+    from fixtures_torch import copy_ckpt
+
+    work = tmp_path_factory.mktemp("one-value")
+    copy_ckpt(torch_ckpts["fsdp"], work / "run" / "step-20")
+    out = {"unsealed": describe(work, "run", "step-20")}
+    out["sealed"] = describe(work, "run", "step-20", seal=True)
+    out["sealed"]["seal (again)"] = _in(work, "seal", "run/step-20")
+    (work / "run" / "step-20" / "NOTES.md").write_text("eval: 3.1\n")
+    out["with NOTES.md"] = describe(work, "run", "step-20", seal=True)
+    out["pinned"] = {"pin": _in(work, "pin", "run/step-20", "--reason", "paper"),
+                     "ls": _row(_in(work, "ls", "run"), "step-20")}
+    _in(work, "pack", "run/step-20", "cold/step-20")
+    out["pack"] = describe(work, "cold", "step-20")
+    out["pack"]["seal of its source"] = {"manifest_id": out["sealed"]["seal"]["manifest_id"]}
+    row = _row(_in(work, "ls", "cold"), "step-20")
+    out["rm"] = {"ls": row, "rm": _in(work, "rm", "cold/step-20")}
+    return out
+
+
+@pytest.mark.parametrize("phase", ["unsealed", "sealed", "with NOTES.md", "pinned", "pack",
+                                   "rm"])
+def test_a_key_has_one_value_in_every_verb(described, phase):
+    """For one checkpoint, a key several verbs carry has one value: a key whose meaning
+    differs between verbs (num_files with and without the manifest) fails here."""
+    views = described[phase]
+    assert len(views) > 1
+    assert not disagreements(views), "\n".join(disagreements(views))
+
+
+def test_the_shared_values_are_the_checkpoints(described):
+    """What the views agree on is right: the files it owns (a user's NOTES.md is not one
+    until a seal lists it; the manifest never), its step, its id, the place as given."""
+    names = {"unsealed": 5, "sealed": 5, "with NOTES.md": 5}
+    for phase, n in names.items():
+        views = described[phase]
+        assert {v["num_files"] for v in views.values() if "num_files" in v} == {n}, phase
+        assert {v["url"] for v in views.values() if "url" in v} == {"run/step-20"}, phase
+        assert {v["step"] for v in views.values() if "step" in v} == {20}, phase
+    notes = described["with NOTES.md"]
+    assert [p["code"] for p in notes["verify"]["problems"]] == ["EXTRA_FILE"]
+    assert notes["verify"]["problems"][0]["path"] == "run/step-20/NOTES.md"
+    assert notes["verify"]["ok"] is True and notes["verify"]["num_warnings"] == 1
+    sealed = described["sealed"]
+    assert sealed["inspect"]["manifest_id"] == sealed["seal"]["manifest_id"] is not None
+    assert described["pack"]["ls"]["num_files"] == 2  # the pack's index and data file
+    assert described["rm"]["rm"]["url"] == "cold/step-20"
+
+
+def test_the_check_fails_on_a_key_whose_meaning_differs(described, tmp_path, monkeypatch,
+                                                         torch_ckpts):
+    """With inspect counting the manifest among the files again (as it did before issue
+    35), the walk over the same checkpoint fails, naming num_files and bytes."""
+    import importlib
+
+    from ckptctl.formats.manifest import MANIFEST
+    from fixtures_torch import copy_ckpt
+
+    inspect_mod = importlib.import_module("ckptctl.ops.inspect")  # ops.inspect: the verb
+
+    counted = inspect_mod.counted_files
+
+    def with_manifest(files, manifest=None, **kw):
+        own = counted(files, manifest, **kw)
+        return {**own, **({MANIFEST: files[MANIFEST]} if MANIFEST in files else {})}
+
+    monkeypatch.setattr(inspect_mod, "counted_files", with_manifest)
+    copy_ckpt(torch_ckpts["fsdp"], tmp_path / "run" / "step-20")
+    views = describe(tmp_path, "run", "step-20", seal=True)
+    found = disagreements(views)
+    assert [d.split(":")[0] for d in found] == ["bytes", "num_files"], found

@@ -286,7 +286,7 @@ def test_verify_full_checks_megatrons_integrity_json(next_run, cli, tmp_path):
     assert (ck / "integrity.json").exists()
     r = _json(cli, "verify", str(ck), "--level", "full")
     assert r["ok"] and r["content"] == "integrity.json", r
-    assert r["files_read"] == 4  # 2 .distcp, .metadata, metadata.json (and the manifest)
+    assert r["num_files_read"] == 4  # 2 .distcp, .metadata, metadata.json (and the manifest)
     # one flipped byte in a data file: found, and named
     f = ck / "__1_0.distcp"
     data = bytearray(f.read_bytes())

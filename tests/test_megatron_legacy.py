@@ -208,7 +208,7 @@ def test_distributed_optimizer_buckets_are_carried_and_conversions_refuse_them(
     assert {"distrib_optim.mp_rank_00", "distrib_optim.mp_rank_01"} <= names, names
     assert r["closure"]["optim"]
     r = _json(cli, "verify", str(it), "--level", "full")
-    assert r["ok"] and r["files_read"] == 4, r
+    assert r["ok"] and r["num_files_read"] == 4, r
     code, so, err = cli("consolidate", str(it), str(tmp_path / "out"), "--to", "torch")
     assert code == 2 and not (tmp_path / "out").exists()
     _one_line(err, DISTOPT_REFUSAL)

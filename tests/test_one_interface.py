@@ -273,7 +273,7 @@ def test_verify_torch_save_without_importing_torch(tmp_path):
                 "step": 7}, pt)
     code, doc = _verify_without_torch(pt)
     assert code == 0 and doc["ok"] and doc["content"] == "crc", doc
-    assert (doc["step"], doc["tensors_checked"], doc["num_files"]) == (7, 2, 1)
+    assert (doc["step"], doc["num_tensors_checked"], doc["num_files"]) == (7, 2, 1)
     data = bytearray(pt.read_bytes())  # one flipped bit inside w's bytes
     at = data.find(torch.arange(64.0).numpy().tobytes()[8:16])
     data[at] ^= 0x01

@@ -182,7 +182,7 @@ def test_verify_json_reports_content(torch_ckpts, tmp_path, cli):
     code, out, err = cli("verify", str(d), "--level", "full", "--json")
     assert code == 0, err
     doc = json.loads(out)
-    assert doc["content"] == "crc" and doc["files_read"] == doc["num_files"] - 1
+    assert doc["content"] == "crc" and doc["num_files_read"] == doc["num_files"] - 1
     assert pickle  # the fixtures above pickle through torch
 
 

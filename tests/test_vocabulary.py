@@ -186,20 +186,23 @@ def _one_file(tmp_path: Path) -> Path:
     return path
 
 
-def test_seal_of_a_single_file_is_a_usage_error(tmp_path):
+def test_a_single_file_copied_under_another_name_is_a_usage_error(tmp_path):
     path = _one_file(tmp_path)
+    dst = tmp_path / "out" / "other.safetensors"
     with pytest.raises(UsageError) as e:
-        ops.seal(str(path))
+        ops.promote(str(path), str(dst))
     assert e.value.exit_code == 2 and e.value.code == "USAGE"
-    assert str(e.value).startswith(f"{path}: seal takes a checkpoint folder")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]
+    assert str(e.value).startswith(f"{dst}: a single-file checkpoint keeps its name")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors"]  # not sealed
 
 
-def test_seal_of_a_single_file_exits_2(tmp_path):
+def test_a_single_file_copied_under_another_name_exits_2(tmp_path):
     path = _one_file(tmp_path)
-    r = subprocess.run([sys.executable, "-m", "ckptctl", "seal", str(path)], capture_output=True,
-                       text=True, timeout=120, cwd=ROOT)
+    dst = tmp_path / "out" / "other.safetensors"
+    r = subprocess.run([sys.executable, "-m", "ckptctl", "promote", str(path), str(dst)],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.strip().splitlines() == [
-        f"ckptctl: error: {path}: seal takes a checkpoint folder (the manifest lives beside "
-        "the files); put the file in its own folder"]
+        f"ckptctl: error: {dst}: a single-file checkpoint keeps its name (its manifest names "
+        f"model.safetensors): name {tmp_path / 'out'}/model.safetensors, or the folder "
+        f"{tmp_path / 'out'}/"]

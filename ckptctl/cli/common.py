@@ -12,6 +12,8 @@ import sys
 
 import typer
 
+#: Version of every ``--json`` document (README, "JSON output"), kept with the vocabulary.
+from ..ops.vocabulary import SCHEMA_VERSION
 
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.")
 ForceOpt = typer.Option(False, "--force", help="Replace what a killed run left in DST, or "
@@ -69,14 +71,124 @@ def console():
     return Console(highlight=False, soft_wrap=False)
 
 
-#: Version of every ``--json`` document (README, "JSON output"); bump on a breaking change.
-SCHEMA_VERSION = 2
-
-
 def emit_json(doc: dict) -> None:
-    """Print one ``--json`` document on stdout, ``schema_version`` first."""
-    doc = {"schema_version": SCHEMA_VERSION, **doc}
+    """Print one ``--json`` document on stdout, ``schema_version`` first, every place in
+    it (:data:`~ckptctl.ops.vocabulary.LOCATION_KEYS`) shown as it was given
+    (:func:`shown`)."""
+    doc = shown_places({"schema_version": SCHEMA_VERSION, **doc})
     sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
+
+
+# ------------------------------------------------------------------ places, as given
+
+def given_places() -> list[str]:
+    """The places this command was given (its URLs, paths and tiers' URLs, as
+    :func:`resolve_place` saw them); empty outside a command."""
+    ctx = _running_context()
+    root = ctx.find_root() if ctx is not None else None
+    return list(root.meta.get("ckptctl.given", ())) if root is not None else []
+
+
+def _remember(ctx, url: str | None) -> None:
+    """Record ``url`` as a place the running command was given (:func:`given_places`)."""
+    ctx = ctx if ctx is not None else _running_context()
+    root = ctx.find_root() if ctx is not None else None
+    if root is not None and url:
+        given = root.meta.setdefault("ckptctl.given", [])
+        if url not in given:
+            given.append(url)
+
+
+def _as_given(given: str) -> tuple[str, str] | None:
+    """(the absolute path a local place ``given`` stands for, the prefix its files are
+    shown under), or None where it is shown as it is already (absolute, or remote)."""
+    import os
+
+    from ..storage import split_url
+
+    protocol, path = split_url(given)
+    if protocol != "file" or given == path or path == "/":
+        return None
+    prefix = given.rstrip("/") if given.strip("/") else given
+    return path, "" if prefix in (".", "./") else prefix
+
+
+def shown(path: str | None, places: list[str] | None = None) -> str | None:
+    """``path`` (a URL or a path as the storage layer names it: absolute when local) the
+    way the user gave its place: under one of ``places`` (default: the running command's,
+    :func:`given_places`) given as a relative path or a ``file://`` URL, it is written
+    under that place as given; anything else is returned as it is. What git and rclone
+    do: a relative path stays relative, a URL stays a URL.
+
+    >>> import os
+    >>> here = os.path.abspath("run")
+    >>> shown(here + "/step-20/NOTES.md", ["run/"]), shown(here, ["./run"])
+    ('run/step-20/NOTES.md', './run')
+    >>> shown(os.path.abspath("step-20"), ["."]), shown("/elsewhere/x", ["run"])
+    ('step-20', '/elsewhere/x')
+    >>> shown(here + "/s", ["file://" + here]) == "file://" + here + "/s"
+    True
+    """
+    if not path or not path.startswith("/"):
+        return path
+    best = None
+    for given in given_places() if places is None else places:
+        pair = _as_given(given)
+        if pair is None:
+            continue
+        full, prefix = pair
+        if (path == full or path.startswith(full.rstrip("/") + "/")) and \
+                (best is None or len(full) > len(best[0])):
+            best = pair
+    if best is None:
+        return path
+    full, prefix = best
+    rest = path[len(full):].lstrip("/")
+    return "/".join(x for x in (prefix, rest) if x) or "."
+
+
+def shown_text(text: str, places: list[str] | None = None) -> str:
+    """``text`` (a line for people) with each absolute path in it that lies under a place
+    given as a relative path or a ``file://`` URL written as :func:`shown` writes it.
+
+    >>> import os
+    >>> shown_text(f"pinned {os.path.abspath('run/step-2')} (paper)", ["run"])
+    'pinned run/step-2 (paper)'
+    >>> elsewhere = [f"{os.path.abspath('run2')}: ok", f"/x{os.path.abspath('run')}/a"]
+    >>> [shown_text(t, ["run"]) for t in elsewhere] == elsewhere
+    True
+    """
+    import re
+
+    places = given_places() if places is None else places
+    for full, _ in sorted(filter(None, map(_as_given, places)), key=lambda p: -len(p[0])):
+        if full in text:
+            text = re.sub(r"(?<![\w/.~-])" + re.escape(full)
+                          + r"(?:/[^\s:,;()\[\]'\"]*)?(?![^\s:,;()\[\]'\"])",
+                          lambda m: shown(m.group(0), places), text)
+    return text
+
+
+def shown_places(doc, places: list[str] | None = None):
+    """``doc`` (a JSON document) with the value of every location key
+    (:data:`~ckptctl.ops.vocabulary.LOCATION_KEYS`) :func:`shown` as given, at any depth.
+
+    >>> import os
+    >>> shown_places({"url": os.path.abspath("r/s"), "problems": [
+    ...     {"path": os.path.abspath("r/s/x"), "message": "m"}]}, ["r"])
+    {'url': 'r/s', 'problems': [{'path': 'r/s/x', 'message': 'm'}]}
+    """
+    from ..ops.vocabulary import LOCATION_KEYS
+
+    places = given_places() if places is None else places
+    if not places:
+        return doc
+    if isinstance(doc, dict):
+        return {k: shown(v, places) if k in LOCATION_KEYS and isinstance(v, str)
+                else shown_places(v, places) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [shown_places(v, places) for v in doc]
+    return doc
 
 
 def plural(n: int, word: str, many: str | None = None) -> str:
@@ -130,10 +242,62 @@ def print_table(headers: list[str], rows: list[list[str]], title: str | None = N
         print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip())
 
 
+#: Lines of a :func:`print_fitted` table fit in this many columns off a terminal.
+WIDTH = 80
+
+
+def print_fitted(headers: list[str], rows: list[list[str]], width: int | None = None, *,
+                 min_last: int = 30) -> None:
+    """Aligned columns within ``width`` (default: the terminal's, else :data:`WIDTH`), the
+    last column (free text: a message) wrapped at spaces, each continuation under its
+    column with the other columns blank; words are never cut (a long name runs past the
+    edge). When the other columns leave it fewer than ``min_last``, each row's last cell
+    goes on the lines below the row instead, indented four spaces.
+
+    >>> print_fitted(["code", "where", "message"], [["BAD", "a.bin", "one two three"]], 24,
+    ...              min_last=8)
+    code  where  message
+    BAD   a.bin  one two
+                 three
+    >>> print_fitted(["code", "where", "message"], [["BAD", "a.bin", "one two three"]], 24)
+    code  where
+    BAD   a.bin
+        one two three
+    """
+    import shutil
+    import textwrap
+
+    width = width or (shutil.get_terminal_size((WIDTH, 24)).columns if is_tty() else WIDTH)
+    heads = headers[:-1]
+    widths = [max(len(str(x)) for x in col) for col in zip(heads, *(r[:-1] for r in rows))]
+    left = sum(widths) + 2 * len(widths)
+    stacked = width - left < min_last
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(str(x).ljust(w) for x, w in zip(cells, widths + [0])).rstrip()
+
+    def wrap(text: str, room: int) -> list[str]:
+        return textwrap.wrap(str(text), max(room, 1), break_long_words=False,
+                             break_on_hyphens=False) or [""]
+
+    print(line(heads if stacked else headers))
+    for r in rows:
+        if stacked:
+            print(line(r[:-1]))
+            for part in wrap(r[-1], width - 4) if r[-1] else []:
+                print("    " + part)
+            continue
+        first, *more = wrap(r[-1], width - left)
+        print(line([*r[:-1], first]))
+        for part in more:
+            print(" " * left + part)
+
+
 def say(text: str = "", *, quiet: bool = False) -> None:
-    """Print a line of human output unless ``--quiet``."""
+    """Print a line of human output unless ``--quiet``, the places in it as the command
+    was given them (:func:`shown_text`)."""
     if not quiet:
-        print(text)
+        print(shown_text(text))
 
 #: Which storage options win, key by key (DESIGN.md, "Storage and tiers", says the same).
 PRECEDENCE = ("Key by key: --src-option/--dst-option > -o > the tier's storage_options "
@@ -234,8 +398,11 @@ def resolve_place(ctx, text: str | None = None, common: list[str] | None = None,
         ctx, text, common, own = None, ctx, text, common
     opts = merge_options(storage_options(common), storage_options(own, own_flag))
     if tier_reference(text) is None:  # a URL or path: the config is not even read
-        return Place(text, opts, None)
-    return resolve(text, config=current_config(ctx), options=opts)
+        place = Place(text, opts, None)
+    else:
+        place = resolve(text, config=current_config(ctx), options=opts)
+    _remember(ctx, place.url)  # what the command prints is shown as given (shown())
+    return place
 
 
 # ------------------------------------------------------------------------ shell completion

@@ -10,7 +10,7 @@ import typer
 
 from ..errors import EXIT_FINDING
 from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, place_argument,
-                     plural, print_table, resolve_place, say)
+                     plural, print_table, resolve_place, say, shown)
 from .app import app
 
 GRACE_HELP = ("An incomplete or corrupt checkpoint untouched for less than this is kept "
@@ -204,6 +204,8 @@ def latest(
 
     Prints the URL alone, for scripts; exit 1 (and a line on stderr) when there is none
     (with --json, the document then has "url": null and the candidates it rejected).
+    Two committed at one step: the one modified last is taken (then the last by name),
+    with a note on stderr saying so ("tie" in --json).
 
     \b
     EXAMPLES
@@ -235,7 +237,7 @@ def latest(
     if json:
         emit_json(r.to_dict())
     else:
-        print(r.url)
+        print(shown(r.url))
 
 
 @app.command()
@@ -276,8 +278,8 @@ def rm(
 
 @app.command()
 def pin(
-    url: str = place_argument(metavar="URL", help="One checkpoint folder: path, s3://..., "
-                              "TIER:NAME."),
+    url: str = place_argument(metavar="URL", help="One checkpoint (folder or file): path, "
+                              "s3://..., TIER:NAME."),
     reason: str = typer.Option("", "--reason", "-m", metavar="WHY",
                                help="Why it must stay (shown by rm)."),
     json: bool = JsonOpt,
@@ -286,8 +288,9 @@ def pin(
 ):
     """Pin a checkpoint: gc keeps it and rm refuses it until unpin.
 
-    The pin is a small file, .ckptctl-pinned, in the checkpoint's folder: it belongs to
-    that place (promote does not copy it) and is not part of the checkpoint's content.
+    The pin is a small file, .ckptctl-pinned, in the checkpoint's folder (beside a
+    single-file checkpoint: FILE.ckptctl-pinned): it belongs to that place (promote does
+    not copy it) and is not part of the checkpoint's content.
 
     \b
     EXAMPLES
@@ -306,8 +309,8 @@ def pin(
 
 @app.command()
 def unpin(
-    url: str = place_argument(metavar="URL", help="One checkpoint folder: path, s3://..., "
-                              "TIER:NAME."),
+    url: str = place_argument(metavar="URL", help="One checkpoint (folder or file): path, "
+                              "s3://..., TIER:NAME."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = StorageOpt,

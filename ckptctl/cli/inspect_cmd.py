@@ -63,7 +63,7 @@ def inspect(
         say(f"  id       {r.manifest_id}", quiet=quiet)
     if r.pack:
         pk = r.pack
-        say(f"  pack     ratio {pk['ratio']:.2f} ({human_bytes(pk['pack_bytes'])} stored), "
+        say(f"  pack     ratio {pk['ratio']:.2f} (holds {human_bytes(pk['source_bytes'])}), "
             + (f"base {pk['base']} (chain depth {pk['depth']})" if pk["base"] else "no base"),
             quiet=quiet)
     say(f"  size     {human_bytes(r.bytes)} in {plural(r.num_files, 'file')}; "

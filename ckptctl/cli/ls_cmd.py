@@ -8,7 +8,7 @@ from typing import List, Optional
 import typer
 
 from .common import (JsonOpt, QuietOpt, StorageOpt, emit_json, human_bytes, place_argument,
-                     print_table, resolve_place)
+                     print_table, resolve_place, shown)
 from .app import app
 
 
@@ -50,7 +50,7 @@ def ls(
         rows.append([c.name, "-" if c.step is None else str(c.step), c.format or "-", state,
                      human_bytes(c.bytes), when])
     if not rows:
-        print(f"no checkpoints under {r.root}")
+        print(f"no checkpoints under {shown(r.root)}")
         return
     print_table(["name", "step", "format", "state", "size", "modified"], rows)
     for p in r.pointers:

@@ -27,7 +27,7 @@ SealSourceOpt = typer.Option(
 @app.command()
 def pack(
     ctx: typer.Context,
-    src: str = place_argument(metavar="SRC", help="Checkpoint folder to pack, any "
+    src: str = place_argument(metavar="SRC", help="Checkpoint (folder or file) to pack, any "
                               "format/place (path, s3://..., TIER:NAME)."),
     dst: str = place_argument(metavar="DST", help="New folder for the pack."),
     base: Optional[str] = BaseOpt,
@@ -106,7 +106,8 @@ def unpack(
     ctx: typer.Context,
     pack_: str = place_argument(metavar="PACK", help="A pack folder (path, s3://..., "
                                 "TIER:NAME)."),
-    dst: str = place_argument(metavar="DST", help="New folder for the checkpoint."),
+    dst: str = place_argument(metavar="DST", help="New folder for the checkpoint (a pack "
+                              "of one file: that file, or the folder it goes into)."),
     base: Optional[str] = typer.Option(None, "--base", metavar="BASE",
                                        help="Where the base of a delta pack is, when not "
                                             "where the pack recorded it (its id is checked)."),

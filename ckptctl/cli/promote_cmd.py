@@ -16,10 +16,11 @@ from .progress import byte_progress
 @app.command()
 def promote(
     ctx: typer.Context,
-    src: str = place_argument(metavar="SRC", help="Checkpoint folder to copy (path, "
-                              "s3://..., TIER:NAME)."),
+    src: str = place_argument(metavar="SRC", help="Checkpoint (folder or file) to copy "
+                              "(path, s3://..., TIER:NAME)."),
     dst: str = place_argument(metavar="DST", help="Where it goes (path, s3://..., TIER:NAME; "
-                              "TIER: puts it under the tier by SRC's name)."),
+                              "TIER: puts it under the tier by SRC's name). A file SRC: "
+                              "DST ending in its name is the file, else the folder for it."),
     bwlimit: Optional[str] = typer.Option(
         None, "--bwlimit", metavar="RATE",
         help="Most bytes per second sent, all workers together (200MiB/s, 1.5GB/s, off). "

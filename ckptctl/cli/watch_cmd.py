@@ -286,7 +286,7 @@ def _emit(doc: dict, line: bool) -> None:
     journal record per document when a service manager logs stdout.
 
     >>> _emit({"drained": True}, True)
-    {"schema_version": 2, "drained": true}
+    {"schema_version": 3, "drained": true}
     """
     if not line:
         emit_json(doc)

@@ -26,7 +26,7 @@ from . import (composite, dcp, deepspeed, foreign, megatron, megatron_legacy, sa
 from .locate import file_format as _file_format
 from .locate import latest_tag
 from .locate import locate as locate_place
-from .manifest import MANIFEST, WRITING_MARKER, read_manifest
+from .manifest import MANIFEST, WRITING_MARKER, read_manifest, sidecars, writer_unfinished
 from .pack import PackStore, is_pack, pack_view
 from .torchfile import read_torch_zip
 
@@ -124,7 +124,7 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
     unless ``allow_incomplete`` (salvage: read what is there).
     """
     located = located or locate(url, storage_options)
-    if not located[2] and WRITING_MARKER in located[1] and not allow_incomplete:
+    if writer_unfinished(located[1], located[2]) and not allow_incomplete:  # a file's: beside it
         raise FormatError(url, "a ckptctl writer or remover holds this folder "
                           f"({WRITING_MARKER}): wait for it, or rerun the writer with --force; "
                           "--allow-incomplete reads it anyway", code="NOT_COMMITTED")
@@ -183,7 +183,7 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
                                      ".metadata, *.safetensors or *.pt/*.bin files; found "
                                      f"{shown}{', ...' if len(files) > 5 else ''})")
     ck.root = getattr(located[0], "opened_as", None) or url  # a save folder: its latest tag
-    ck.info["manifest"] = read_manifest(store, files) if not single else None
+    ck.info["manifest"] = read_manifest(store, files, single)
     if isinstance(store, PackStore):  # inspect shows what the pack holds and its ratio
         ck.info["pack"] = store.info()
     resolve_step(ck, url, read_step=read_step)
@@ -275,6 +275,7 @@ def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
     if "" in anchors:  # the root itself is one (a tag folder, a universal checkpoint)
         return {"": dict(files)}
     found: dict[str, dict[str, int]] = {}
+    claimed: set[str] = set()  # the files of lone-file checkpoints
     folders: set[str] = set()  # checkpoint folders: files added below
     whole: set[str] = set()  # those that own everything below them
 
@@ -291,9 +292,11 @@ def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
         if owns_below:
             whole.add(d)
 
-    def lone(d: str, names) -> None:
+    def lone(d: str, names) -> None:  # with its sidecars (manifest, pin): files it owns
         for f in sorted(names):
-            found[posixpath.join(d, f)] = {posixpath.join(d, f): by_dir[d][f]}
+            mine = {f: by_dir[d][f], **sidecars(f, by_dir[d])}
+            found[posixpath.join(d, f)] = {posixpath.join(d, k): v for k, v in mine.items()}
+            claimed.update(posixpath.join(d, k) for k in mine)
 
     for d in sorted(set(by_dir) | anchors):
         if inside_whole(d):
@@ -319,8 +322,8 @@ def group_checkpoints(files: dict[str, int]) -> dict[str, dict[str, int]]:
             else:
                 lone(d, [f for f in own if torchsave.is_torch_file(f)])
     for rel, size in files.items():  # each file to the nearest checkpoint folder above it
-        if rel in found:
-            continue  # a lone file or export: a checkpoint of its own
+        if rel in claimed:
+            continue  # a lone file or export (or its sidecar): a checkpoint of its own
         p = rel
         while p:
             p = posixpath.dirname(p)

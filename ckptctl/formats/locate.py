@@ -16,6 +16,7 @@ import re
 from ..errors import (FormatError, NotFoundError, UnsafeInputError, UnsupportedFormatError,
                       UsageError)
 from ..storage import Store, open_store
+from .manifest import CONTROL_FILES, control_name, sidecars
 from .torchsave import is_torch_file
 
 
@@ -198,10 +199,10 @@ def locate(url: str, storage_options: dict | None = None, *,
         return found
     if files:  # a pack's own files: readers open the checkpoint inside with pack_view
         return store, files, None
-    parent_url, name = url.rstrip("/").rsplit("/", 1) if "/" in url.rstrip("/") else (".", url)
-    parent = open_store(parent_url or "/", storage_options)
-    if file_format(name) and parent.exists(name):
-        return parent, {name: parent.size(name)}, name
+    parent_url, name = split_file_url(url)
+    parent = open_store(parent_url, storage_options)
+    if file_format(name) and (one := single_files(parent, name)):
+        return parent, one, name
     if name.endswith(NEMO_ARCHIVE) and parent.exists(name) and not parent.isdir(name):
         raise UnsupportedFormatError(url, "a NeMo archive (a tar of model_config.yaml and the "
                                      f"weights): extract it, `mkdir DIR && tar -xf {name} -C "
@@ -211,6 +212,70 @@ def locate(url: str, storage_options: dict | None = None, *,
     if not store.isdir():  # a file, of no format ckptctl reads
         raise UnsupportedFormatError(url, "not a checkpoint")
     raise UnsupportedFormatError(url, "empty: no checkpoint files here")
+
+
+def split_file_url(url: str) -> tuple[str, str]:
+    """(URL of the folder holding it, name) of a URL that names one file.
+
+    >>> split_file_url("s3://b/run/train.pt"), split_file_url("train.pt"), split_file_url("/x.pt")
+    (('s3://b/run', 'train.pt'), ('.', 'train.pt'), ('/', 'x.pt'))
+    """
+    url = url.rstrip("/")
+    if "/" not in url:
+        return ".", url
+    parent, name = url.rsplit("/", 1)
+    return parent or "/", name
+
+
+def single_files(parent: Store, name: str, *, require_file: bool = True) -> dict[str, int]:
+    """The single-file checkpoint ``name`` in the folder ``parent`` and the sidecars
+    beside it (its manifest, writing marker, pin: :func:`~.manifest.control_name`), name ->
+    size; ``{}`` when the file is not there (``require_file`` False: its sidecars all the
+    same, for a writer that finds what a killed one left). Locally a stat each; remotely
+    one listing of the folder's top (no HEAD each).
+
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "a.pt").write_bytes(b"x")
+    >>> _ = (d / "a.pt.ckptctl-pinned").write_bytes(b"{}")
+    >>> single_files(open_store(str(d)), "a.pt")
+    {'a.pt': 1, 'a.pt.ckptctl-pinned': 2}
+    """
+    if parent.is_local:
+        out = {}
+        for rel in [name] + [control_name(c, name) for c in CONTROL_FILES]:
+            if parent.exists(rel) and not parent.isdir(rel):
+                out[rel] = parent.size(rel)
+    else:
+        try:
+            top = parent.list_files(recursive=False)
+        except NotFoundError:
+            top = {}
+        out = {name: top[name]} if name in top else {}
+        out.update(sidecars(name, top))
+    return out if name in out or not require_file else {}
+
+
+def single_target(dst: str, name: str) -> tuple[str, str]:
+    """(URL of the folder, file name) where a copy of the single-file checkpoint ``name``
+    goes for the destination ``dst``, as ``cp`` reads it: ``dst`` is the file when its
+    last part is a checkpoint file's name (``warm/train.pt``), else the folder the file
+    goes into under its own name (``warm/``, ``s3://b/warm``). Another name is refused
+    (exit 2): the manifest names the file, and a copy keeps the checkpoint's id.
+
+    >>> single_target("warm/train.pt", "train.pt"), single_target("s3://b/warm/", "train.pt")
+    (('warm', 'train.pt'), ('s3://b/warm', 'train.pt'))
+    >>> single_target("warm/last.pt", "train.pt")
+    Traceback (most recent call last):
+    ckptctl.errors.UsageError: warm/last.pt: a single-file checkpoint keeps its name (its manifest names train.pt): name warm/train.pt, or the folder warm/
+    """
+    if not dst.endswith("/") and file_format(dst.rsplit("/", 1)[-1]):
+        folder, fname = split_file_url(dst)
+        if fname != name:
+            raise UsageError(f"a single-file checkpoint keeps its name (its manifest names "
+                             f"{name}): name {folder.rstrip('/')}/{name}, or the folder "
+                             f"{folder.rstrip('/')}/", dst)
+        return folder, fname
+    return dst.rstrip("/") or "/", name
 
 
 def located_in(store, rel: str, group: dict[str, int]) -> tuple:
@@ -223,9 +288,11 @@ def located_in(store, rel: str, group: dict[str, int]) -> tuple:
     >>> located_in(s, "run/step-1", {"run/step-1/a.safetensors": 8})[1:]
     ({'a.safetensors': 8}, None)
     """
-    if rel in group:  # a lone torch.save file
+    if rel in group:  # a lone torch.save file (and its sidecars: group_checkpoints)
         d, name = posixpath.split(rel)
-        return (store.child(d, listed={rel: name}) if d else store), {name: group[rel]}, name
+        listed = {k: posixpath.basename(k) for k in group}
+        return (store.child(d, listed=listed) if d else store), \
+            {posixpath.basename(k): v for k, v in group.items()}, name
     if not rel:
         return store, dict(group), None
     return (store.child(rel, listed={k: k[len(rel) + 1:] for k in group}),

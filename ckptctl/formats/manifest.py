@@ -30,19 +30,70 @@ PROMOTE_WORK_SUFFIX = ".ckptctl-promote"
 PIN_FILE = ".ckptctl-pinned"
 #: Files of ckptctl's own that sit in a checkpoint folder but are not its content.
 CONTROL_FILES = (MANIFEST, WRITING_MARKER, PIN_FILE)
+#: A single-file checkpoint (``train.pt``) has no folder of its own: its manifest, writing
+#: marker and pin sit beside it, named after it (``train.pt.ckptctl.manifest.json``,
+#: ``train.pt.ckptctl-writing``, ``train.pt.ckptctl-pinned``): files it owns, as a folder
+#: owns its own (listed, copied, pinned and removed with it; never a checkpoint of their own).
+SIDECAR_SUFFIXES = {MANIFEST: ".ckptctl.manifest.json", WRITING_MARKER: ".ckptctl-writing",
+                    PIN_FILE: ".ckptctl-pinned"}
+#: What a single-file checkpoint's name ends with (formats/locate.py: ``file_format``).
+_SINGLE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 #: A delta pack in another root needs this checkpoint as its base: one small file per
 #: pack, ``.ckptctl-needed-by.<hash of the pack's URL>`` (ops/ownership.py); bound to
 #: this place like a pin, so never copied and never part of a manifest.
 NEEDED_BY_PREFIX = ".ckptctl-needed-by."
 
 
-def writer_unfinished(files: dict[str, int]) -> bool:
-    """Did a ckptctl writer start in this folder and not finish?
+def control_name(control: str, single: str | None = None) -> str:
+    """The name of ckptctl's file ``control`` (:data:`MANIFEST`, :data:`WRITING_MARKER`,
+    :data:`PIN_FILE`) for a checkpoint: in its folder, or beside its one file ``single``
+    (:data:`SIDECAR_SUFFIXES`).
+
+    >>> control_name(MANIFEST), control_name(MANIFEST, "train.pt")
+    ('ckptctl.manifest.json', 'train.pt.ckptctl.manifest.json')
+    >>> control_name(PIN_FILE, "epoch=0-step=2.ckpt")
+    'epoch=0-step=2.ckpt.ckptctl-pinned'
+    """
+    return control if single is None else single + SIDECAR_SUFFIXES[control]
+
+
+def sidecar_of(rel: str) -> tuple[str, str] | None:
+    """``(file, control)`` when ``rel`` is ckptctl's file ``control`` beside the
+    single-file checkpoint ``file`` (same folder), else None.
+
+    >>> sidecar_of("run/train.pt.ckptctl.manifest.json")
+    ('run/train.pt', 'ckptctl.manifest.json')
+    >>> sidecar_of(".ckptctl-pinned") is None, sidecar_of("notes.ckptctl-pinned") is None
+    (True, True)
+    """
+    for control, suffix in SIDECAR_SUFFIXES.items():
+        if rel.endswith(suffix):
+            owner = rel[:-len(suffix)]
+            if owner.rsplit("/", 1)[-1].endswith(_SINGLE_SUFFIXES):
+                return owner, control
+    return None
+
+
+def sidecars(single: str, files: dict[str, int]) -> dict[str, int]:
+    """The sidecars of the single-file checkpoint ``single`` that the listing ``files``
+    (of the folder holding it) shows.
+
+    >>> sidecars("a.pt", {"a.pt": 9, "a.pt.ckptctl-pinned": 1, "b.pt.ckptctl-pinned": 1})
+    {'a.pt.ckptctl-pinned': 1}
+    """
+    return {name: files[name] for c in CONTROL_FILES
+            if (name := control_name(c, single)) in files}
+
+
+def writer_unfinished(files: dict[str, int], single: str | None = None) -> bool:
+    """Did a ckptctl writer start in this folder (or on this one file) and not finish?
 
     >>> writer_unfinished({".ckptctl-writing": 80, "model.safetensors": 8}), writer_unfinished({})
     (True, False)
+    >>> writer_unfinished({"x.pt": 8, "x.pt.ckptctl-writing": 80}, "x.pt")
+    True
     """
-    return WRITING_MARKER in files
+    return control_name(WRITING_MARKER, single) in files
 
 
 def is_control_file(rel: str) -> bool:
@@ -50,10 +101,10 @@ def is_control_file(rel: str) -> bool:
 
     >>> is_control_file("ckptctl.manifest.json"), is_control_file(".ckptctl-pinned"), is_control_file("a.pt")
     (True, True, False)
-    >>> is_control_file(".ckptctl-needed-by.0f3a9c")
-    True
+    >>> is_control_file(".ckptctl-needed-by.0f3a9c"), is_control_file("a.pt.ckptctl-pinned")
+    (True, True)
     """
-    return rel in CONTROL_FILES or rel.startswith(NEEDED_BY_PREFIX)
+    return rel in CONTROL_FILES or rel.startswith(NEEDED_BY_PREFIX) or sidecar_of(rel) is not None
 
 
 @dataclass(frozen=True)
@@ -163,23 +214,28 @@ class Manifest:
                    extra={k: v for k, v in doc.items() if k not in known})
 
     @classmethod
-    def read(cls, store: Store, files: dict[str, int] | None = None) -> "Manifest | None":
+    def read(cls, store: Store, files: dict[str, int] | None = None,
+             single: str | None = None) -> "Manifest | None":
         """The checkpoint's manifest, or None when it has none (``files``: its listing,
-        when the caller has it; else one existence check)."""
-        where = store.display(MANIFEST)
+        when the caller has it; else one existence check). ``single``: the checkpoint is
+        that one file in ``store``, its manifest the sidecar beside it."""
+        name = control_name(MANIFEST, single)
+        where = store.display(name)
         if files is not None:
-            if MANIFEST not in files:
+            if name not in files:
                 return None
-            if files[MANIFEST] > MAX_MANIFEST_BYTES:
+            if files[name] > MAX_MANIFEST_BYTES:
                 raise UnsafeInputError(where, "manifest is absurdly large")
-        elif not store.exists(MANIFEST):
+        elif not store.exists(name):
             return None
-        return cls.parse(store.read(MANIFEST), where)
+        return cls.parse(store.read(name), where)
 
 
-def read_manifest(store: Store, files: dict[str, int]) -> Manifest | None:
-    """The parsed manifest, or None when the checkpoint has none."""
-    return Manifest.read(store, files)
+def read_manifest(store: Store, files: dict[str, int],
+                  single: str | None = None) -> Manifest | None:
+    """The parsed manifest, or None when the checkpoint has none (``single``: of that one
+    file, from its sidecar)."""
+    return Manifest.read(store, files, single)
 
 SCHEMA = 1
 

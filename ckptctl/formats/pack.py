@@ -8,6 +8,12 @@ A pack is a folder::
     data-00000.bin ...    the chunks' encoded payloads, concatenated (each file <= 256 MiB)
     ckptctl.manifest.json the pack's own manifest (``packs``: the id it restores)
 
+A pack of a single-file checkpoint (``train.pt``) is such a folder too; its index names
+the file (``single``) and holds the checkpoint's sidecar manifest
+(``train.pt.ckptctl.manifest.json``) where a folder's holds ``ckptctl.manifest.json``:
+read in place, it is that file and its sidecar (:func:`pack_view`), and it unpacks back
+to them.
+
 The index is validated whole before anything is read or allocated from it: safe names,
 segments that tile each file, chunks that sum to their segment and lie inside the data
 files' listed sizes, no chunk larger than ``chunk_size``.
@@ -43,7 +49,7 @@ from ..errors import (CkptError, FormatError, NotFoundError, StorageError,
                       UnsafeInputError, UsageError)
 from ..storage import Capabilities, IOStats, Store, safe_relpath
 from .limits import MAX_TENSOR_BYTES, count_key, load_json
-from .manifest import MANIFEST, WRITING_MARKER, Manifest
+from .manifest import MANIFEST, WRITING_MARKER, Manifest, control_name, writer_unfinished
 
 PACK_INDEX = "ckptctl.pack.json"
 PACK_VERSION = 1
@@ -236,6 +242,13 @@ class PackIndex:
     #: reader open every level at once (:func:`chain_urls`); each level is still checked
     base: dict | None = None
     doc: dict = field(default_factory=dict, repr=False)
+    #: the one file of a single-file checkpoint (its manifest is packed as its sidecar)
+    single: str | None = None
+
+    @property
+    def manifest_name(self) -> str:
+        """The packed file that is the source's manifest (a single file's: its sidecar)."""
+        return control_name(MANIFEST, self.single)
 
     @property
     def num_chunks(self) -> int:
@@ -274,12 +287,16 @@ class PackIndex:
 
     @classmethod
     def build(cls, source_doc: dict, source_id: str, chunk_size: int,
-              files: dict[str, tuple[int, list[Segment]]], base: dict | None) -> "PackIndex":
-        """The index a writer made (already valid by construction)."""
+              files: dict[str, tuple[int, list[Segment]]], base: dict | None,
+              single: str | None = None) -> "PackIndex":
+        """The index a writer made (already valid by construction); ``single``: the
+        source is that one file."""
         doc = {"pack": PACK_VERSION, "source": source_doc, "source_id": source_id,
                "base": base, "chunk_size": chunk_size,
                "files": {rel: {"size": size, "segments": [s.to_dict() for s in segs]}
                          for rel, (size, segs) in sorted(files.items())}}
+        if single is not None:
+            doc["single"] = single
         return cls.parse(json.dumps(doc).encode(), PACK_INDEX, None)
 
     @classmethod
@@ -324,7 +341,9 @@ class PackIndex:
         files = doc.get("files")
         if not isinstance(files, dict):
             raise FormatError(where, "pack index has no files table")
-        want = set(source.files) | {MANIFEST}
+        single = _single(doc.get("single"), source, where)
+        mname = control_name(MANIFEST, single)
+        want = set(source.files) | {mname}
         if set(files) != want:
             odd = sorted(set(files) ^ want)[:3]
             raise FormatError(where, f"pack files differ from the source manifest's "
@@ -335,14 +354,33 @@ class PackIndex:
             if safe_relpath(rel, where=where) != rel:
                 raise FormatError(where, f"pack names {rel!r}, not a normalised path")
             f = _parse_file(rel, rec, chunk_size, base is not None, pack_files, where)
-            if rel != MANIFEST and f.size != source.files[rel].size:
+            if rel != mname and f.size != source.files[rel].size:
                 raise FormatError(where, f"{rel}: {f.size} bytes, the source manifest says "
                                   f"{source.files[rel].size}", code="SIZE_MISMATCH")
             total += f.size
             if total > MAX_TENSOR_BYTES:
                 raise UnsafeInputError(where, "pack restores an absurd number of bytes")
             parsed[rel] = f
-        return cls(source, source_id, chunk_size, parsed, base, doc)
+        return cls(source, source_id, chunk_size, parsed, base, doc, single)
+
+
+def _single(name, source: Manifest, where: str) -> str | None:
+    """The index's ``single`` (the one file of a single-file source), checked: a plain
+    file name, the one file its source manifest lists.
+
+    >>> from ckptctl.formats.manifest import FileEntry
+    >>> _single("a.pt", Manifest({"a.pt": FileEntry(1, "h")}), "p")
+    'a.pt'
+    >>> _single("../a.pt", Manifest({"a.pt": FileEntry(1, "h")}), "p")
+    Traceback (most recent call last):
+    ckptctl.errors.FormatError: p: pack index names '../a.pt' as its single file, not the one file of its source
+    """
+    if name is None:
+        return None
+    if not isinstance(name, str) or "/" in name or list(source.files) != [name]:
+        raise FormatError(where, f"pack index names {str(name)[:80]!r} as its single file, "
+                          "not the one file of its source")
+    return name
 
 
 def _parse_file(rel: str, rec, chunk_size: int, has_base: bool,
@@ -984,14 +1022,14 @@ def base_resolver(pack_url: str, index: PackIndex, base: str | None = None,
         except NotFoundError:
             raise NotFoundError(url, f"base of {pack_url} not found (the pack needs checkpoint "
                                 f"{want}; pass --base URL)", code="MISSING_BASE") from None
-        if not single and WRITING_MARKER in files:  # being written or removed (rm, gc)
+        if writer_unfinished(files, single):  # being written or removed (rm, gc)
             raise FormatError(url, f"base of {pack_url} is held by a ckptctl writer or "
                               f"remover ({WRITING_MARKER}); the pack needs checkpoint {want}",
                               code="MISSING_BASE")
         # a pack names the checkpoint it restores in its own manifest, checked against its
         # index when opened: the packed manifest (in a data file) need not be decoded
         man = store.manifest if isinstance(store, PackStore) else \
-            None if single else Manifest.read(store, files)
+            Manifest.read(store, files, single)
         if man is None:
             raise FormatError(url, f"base is not sealed, so its id cannot be checked (the pack "
                               f"needs checkpoint {want}); run `ckptctl seal` on it",
@@ -1047,7 +1085,8 @@ def open_pack(store: Store, files: dict[str, int], *, base: str | None = None,
 def pack_view(located: tuple, storage_options: dict | None = None, *,
               base: str | None = None, ahead: ChainWalk | None = None) -> tuple:
     """What :func:`~ckptctl.formats.detect.locate` returned, with a committed pack folder
-    replaced by the checkpoint it holds (``(PackStore, original files, None)``); anything
+    replaced by the checkpoint it holds (``(PackStore, original files, None)``; a pack of a
+    single-file checkpoint: ``(PackStore, {file, its sidecar manifest}, file)``); anything
     else (an unfinished pack write included) as it was. ``locate`` itself leaves a pack
     folder as its own files (``pin``, ``rm``, ``seal`` and ``promote`` manage those);
     readers (``open_checkpoint``, ``verify``) call this.
@@ -1062,7 +1101,7 @@ def pack_view(located: tuple, storage_options: dict | None = None, *,
     if single or isinstance(store, PackStore) or not is_pack(files) or WRITING_MARKER in files:
         return located
     ps = open_pack(store, files, base=base, storage_options=storage_options, ahead=ahead)
-    return ps, ps.list_files(), None
+    return ps, ps.list_files(), ps.index.single  # a single file's pack: that file
 
 
 __all__ = ["PACK_INDEX", "PackIndex", "PackStore", "Segment", "ChunkRef", "is_pack",

@@ -20,7 +20,7 @@ import datetime as dt
 
 from .. import __version__
 from ..errors import Finding, FormatError
-from ..formats.manifest import MANIFEST, FileEntry, Manifest, logical_digest
+from ..formats.manifest import MANIFEST, FileEntry, Manifest, control_name, logical_digest
 from ..storage import Store
 
 
@@ -79,28 +79,38 @@ def manifest_for(ck, hashes: dict[str, tuple[str, int]], *, algo: str = "xxh3-12
 
 
 def commit(store: Store, manifest: Manifest, *, replace: bool = False,
-           data: bytes | None = None) -> str:
+           data: bytes | None = None, single: str | None = None) -> str:
     """Publish ``manifest`` as the checkpoint's commit marker; return its id.
 
     Written last, atomically, and exclusively unless ``replace`` (``seal --update``:
     the new manifest replaces the old one in one step, so a crash leaves one or the
     other). ``data``: the exact bytes to store (``promote`` keeps the source's bytes).
+    ``single``: the checkpoint is that one file in ``store``; its manifest is the sidecar
+    beside it (``train.pt.ckptctl.manifest.json``).
     Another writer may have committed first, or after us on servers that ignore
     ``If-None-Match`` (rclone): what is stored is read back and must describe the same
     content, step and tags, else :class:`~ckptctl.errors.Finding` (exit 1) says so.
+
+    >>> import tempfile
+    >>> from ckptctl.storage import open_store
+    >>> s = open_store(tempfile.mkdtemp())
+    >>> m = Manifest({"a.pt": FileEntry(3, "ab")})
+    >>> commit(s, m, single="a.pt") == m.id, sorted(s.list_files())
+    (True, ['a.pt.ckptctl.manifest.json'])
     """
     data = manifest.to_bytes() if data is None else data
+    name = control_name(MANIFEST, single)
     try:
-        store.write_atomic(MANIFEST, data, exclusive=not replace)
+        store.write_atomic(name, data, exclusive=not replace)
     except Finding as e:
         if e.code != "ALREADY_EXISTS":
             raise
     try:
-        stored = Manifest.parse(store.read(MANIFEST), store.display(MANIFEST))
+        stored = Manifest.parse(store.read(name), store.display(name))
     except FormatError:
         stored = None
     if stored is None or _key(stored) != _key(manifest):
-        raise Finding(store.display(MANIFEST), "another writer committed this checkpoint at "
+        raise Finding(store.display(name), "another writer committed this checkpoint at "
                       "the same time with other content, step or tags; its manifest won",
                       code="ALREADY_EXISTS")
     return manifest.id

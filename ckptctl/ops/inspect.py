@@ -14,6 +14,7 @@ from ..formats import open_checkpoint, read_object
 from ..formats.composite import OPAQUE
 from ..model import Checkpoint, layout_summary, natural_key
 from .closure import OPTIONAL_PARTS, PARTS, classify, is_parameter
+from .vocabulary import counted_files
 
 
 @dataclass
@@ -50,7 +51,9 @@ class InspectResult:
     format: str
     step: int | None
     step_source: str | None
-    bytes: int  # every file of the checkpoint
+    #: the checkpoint's files as stored, ckptctl's markers aside (a pack: its own), as
+    #: every verb counts them (:func:`~ckptctl.ops.vocabulary.counted_files`)
+    bytes: int
     num_files: int
     num_tensors: int
     num_objects: int
@@ -152,9 +155,10 @@ def summarize(ck: Checkpoint, *, filter: str | None = None, show_objects: bool =
         lay.mesh_guess = None
     meta = ck.info.get("metadata") or {}
     man = ck.info.get("manifest")
+    counted = counted_files(ck.files, man, store=ck.store)
     return InspectResult(
         url=ck.root, format=ck.format, step=ck.step, step_source=ck.info.get("step_source"),
-        bytes=ck.total_bytes, num_files=len(ck.files), num_tensors=len(ck.tensors),
+        bytes=sum(counted.values()), num_files=len(counted), num_tensors=len(ck.tensors),
         num_objects=len(ck.objects), num_params=num_params,
         tensor_bytes=sum(t.nbytes for t in ck.tensors.values()), num_buffers=num_buffers,
         dtypes=dict(sorted(dtypes.items(), key=lambda kv: -kv[1]["bytes"])),

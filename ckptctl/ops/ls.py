@@ -28,14 +28,15 @@ from dataclasses import dataclass, field, fields
 
 from ..errors import CkptError, NotFoundError, StorageError, UnsupportedFormatError
 from ..formats.detect import detect_format, not_a_checkpoint, step_from_name
-from ..formats.locate import located_in, pointers
-from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest
+from ..formats.locate import located_in, pointers, single_files
+from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest, control_name
 from ..formats.pack import is_pack
 from ..formats.torchsave import is_torch_file
 from ..model import natural_key
 from ..storage import open_store
 from .state import (COMPLETE, CORRUPT, INCOMPLETE, SEALED, UNKNOWN, StateReport,
                     checkpoint_state)
+from .vocabulary import counted_files
 
 #: ``check`` values of :func:`ls` (``auto``: ``quick`` on local stores and on remote roots
 #: of at most :data:`QUICK_LIMIT` checkpoints, ``listing`` on bigger remote roots)
@@ -58,8 +59,9 @@ class CheckpointRow:
     bytes: int
     num_files: int
     modified: float | None
-    #: a ``.ckptctl-pinned`` file is in the folder (``ckptctl pin``); it is not counted
-    #: in ``bytes``/``num_files``: not part of the checkpoint
+    #: a ``.ckptctl-pinned`` file is in the folder (``ckptctl pin``); ``bytes`` and
+    #: ``num_files`` count the checkpoint's files without ckptctl's markers (manifest, pin:
+    #: :func:`~ckptctl.ops.vocabulary.counted_files`)
     pinned: bool = False
     # for gc, rm and latest; not in --json: (store, files, single) as formats.detect.locate
     # returns them, cut from the root's listing, and the manifest (``ls(manifests=True)``)
@@ -171,7 +173,7 @@ def _lone_file(store, root: str, storage_options: dict | None) -> tuple:
         return store, {}
     parent_url, name = root.rstrip("/").rsplit("/", 1) if "/" in root.rstrip("/") else (".", root)
     parent = open_store(parent_url or "/", storage_options)
-    return parent, {name: parent.size(name)}
+    return parent, single_files(parent, name) or {name: parent.size(name)}  # + its sidecars
 
 
 def ls(root: str, storage_options: dict | None = None, *, workers: int = 8,
@@ -239,8 +241,10 @@ def confirm(rows: list[CheckpointRow], storage_options: dict | None = None, *,
         r = rows[i]
         rep, step, fmt, manifest = _Ctx(None, r.url, storage_options, manifests,
                                         {}).classify(r.name, r.url, r.located)
+        size, count = content(r.located, manifest)
         return CheckpointRow(r.name, r.url, step, fmt or r.format, rep.state, rep.reason,
-                             r.bytes, r.num_files, r.modified, r.pinned, r.located, manifest)
+                             size, count, r.modified, r.pinned, r.located,
+                             manifest if manifests else None)
 
     with ThreadPoolExecutor(max(1, min(workers, len(todo)))) as pool:
         for i, row in zip(todo, pool.map(one, todo)):
@@ -265,10 +269,8 @@ class _Ctx:
             mtime = store.modified(marker)
         except Exception:  # noqa: BLE001 - a missing mtime is not worth failing ls
             mtime = None
-        own = located[1]
-        pinned = not located[2] and PIN_FILE in own
-        content = [v for k, v in own.items() if not (pinned and k == PIN_FILE)]
-        return url, located, mtime, pinned, content
+        pinned = control_name(PIN_FILE, located[2]) in located[1]  # a lone file's: beside it
+        return url, located, mtime, pinned
 
     def from_listing(self, rel: str, group: dict[str, int]) -> CheckpointRow | None:
         """The row from the listing alone, or None where it must be read."""
@@ -282,12 +284,15 @@ class _Ctx:
         if found is None:
             return None
         rep, exact = found
-        url, located, mtime, pinned, content = self._common(rel, group)
-        return CheckpointRow(rel, url, step, rep.format, rep.state, rep.reason, sum(content),
-                             len(content), mtime, pinned, located, None, exact)
+        url, located, mtime, pinned = self._common(rel, group)
+        size, count = content(located)  # its manifest unread: the files its format names
+        return CheckpointRow(rel, url, step, rep.format, rep.state, rep.reason, size, count,
+                             mtime, pinned, located, None, exact)
 
     def classify(self, rel: str, url: str, located: tuple):
-        """(StateReport, step, format, manifest) by reading the checkpoint (``quick``)."""
+        """(StateReport, step, format, manifest) by reading the checkpoint (``quick``); the
+        manifest of a sealed one (what it owns: its ``num_files``), read from what
+        classifying it fetched."""
         try:
             rep = checkpoint_state(url, self.opts, located=located, bases=self.bases)
         except StorageError:
@@ -296,9 +301,9 @@ class _Ctx:
             rep = StateReport(CORRUPT, f"{e.code}: {e}", None, None)
         step = rep.step if rep.step is not None else step_from_name(rel or self.root)
         manifest = None
-        if self.manifests and rep.state == "sealed":
+        if rep.state == "sealed":
             try:
-                manifest = Manifest.read(located[0], located[1])
+                manifest = Manifest.read(located[0], located[1], located[2])
             except StorageError:
                 raise
             except CkptError:  # changed since it was classified: no tags, id or base
@@ -307,7 +312,7 @@ class _Ctx:
 
     def row(self, rel: str, group: dict[str, int]) -> CheckpointRow | None:
         """The row by reading the checkpoint (``quick``), None for a skipped file."""
-        url, located, mtime, pinned, content = self._common(rel, group)
+        url, located, mtime, pinned = self._common(rel, group)
         rep, step, fmt, manifest = self.classify(rel, url, located)
         if rep.state in (CORRUPT, UNKNOWN) and rel in group:  # a lone file unloaded:
             why = not_a_checkpoint(self.store, rel, group[rel])  # TorchScript, .pth text?
@@ -317,6 +322,20 @@ class _Ctx:
         fmt = fmt or detect_format(  # a lone file keeps its name (relpath gives ".")
             {posixpath.basename(k) if k == rel else posixpath.relpath(k, rel) if rel else k: v
              for k, v in group.items()})
+        size, count = content(located, manifest)
         return CheckpointRow(rel or posixpath.basename(self.root.rstrip("/")), url, step, fmt,
-                             rep.state, rep.reason, sum(content), len(content), mtime,
-                             pinned, located, manifest)
+                             rep.state, rep.reason, size, count, mtime, pinned, located,
+                             manifest if self.manifests else None)
+
+
+def content(located: tuple, manifest: Manifest | None = None) -> tuple[int, int]:
+    """(``bytes``, ``num_files``) of a checkpoint as every verb counts them
+    (:func:`~ckptctl.ops.vocabulary.counted_files`): ``located`` as
+    :func:`~ckptctl.formats.locate.located_in` gives it, ``manifest`` its manifest.
+
+    >>> content((None, {".metadata": 2, "x.distcp": 8, "ckptctl.manifest.json": 5,
+    ...                 "NOTES.md": 1}, None))
+    (10, 2)
+    """
+    files = counted_files(located[1], manifest, single=located[2])
+    return sum(files.values()), len(files)

@@ -36,7 +36,7 @@ from typing import Callable, Iterable
 
 from ..errors import CkptError, UsageError
 from ..formats.dcp import METADATA
-from ..formats.manifest import MANIFEST, WRITING_MARKER
+from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, control_name, sidecar_of
 from ..storage import Store
 from ..storage.localio import kernel_copy, start_writeback, sync_dir
 from ..storage.failures import storage_error
@@ -185,16 +185,22 @@ class OutputDir:
     ``x.safetensors``): no marker (nothing else is in flight beside it); the file is
     written under a temporary name (locally ``.<name>.partial``; S3 completes its upload
     at once), fsync'd, renamed into place and the folder synced, replacing an older file
-    only with ``force`` and never a folder.
+    only with ``force`` and never a folder. ``marker``: the file is a single-file
+    checkpoint that gets a manifest (``unpack``): its writing marker
+    (``<name>.ckptctl-writing``) goes first and :meth:`commit` removes it, as a folder's;
+    ``force`` removes an older file's sidecar manifest right after the marker, and never
+    replaces a pinned one.
     """
 
     def __init__(self, store: Store, *, command: str, force: bool = False,
                  single_file: str | None = None, source: str | None = None,
-                 storage_options: dict | None = None, base: str | None = None):
+                 storage_options: dict | None = None, base: str | None = None,
+                 marker: bool = False):
         self.store, self.command, self.force = store, command, force
         self.base = base  # a delta pack's base id, in the marker: gc keeps that base
         self.storage_options = storage_options  # to find the packs a replaced base had
         self.single_file = single_file
+        self.single_marker = marker and single_file is not None
         self.source = source  # never written into nor removed (``--force`` on the source)
         self.cancelled = threading.Event()
         self.created: list[str] = []
@@ -209,6 +215,8 @@ class OutputDir:
                              f"the source {self.source}; choose another place")
         if self.single_file is not None:
             self._check_file()
+            if self.single_marker:
+                self._mark_single()
             return self
         self._existed = store.exists()
         files = store.list_files() if self._existed else {}
@@ -256,6 +264,22 @@ class OutputDir:
         if not self.force:
             raise UsageError(f"destination {store.display(rel)} exists; choose a new name "
                              "or pass --force to replace it")
+        if self.single_marker and store.exists(control_name(PIN_FILE, rel)):
+            raise UsageError(f"destination {store.display(rel)} is a pinned checkpoint "
+                             "(ckptctl unpin it first); choose a new name")
+
+    def _mark_single(self) -> None:
+        """A single-file checkpoint's writing marker, then (``force``) the sidecar
+        manifest of the file it replaces: from here on it reads as incomplete."""
+        rel = self.single_file
+        try:
+            self._write_marker(control_name(WRITING_MARKER, rel))
+            if self.force:
+                self.store.remove(control_name(MANIFEST, rel))
+        except BaseException:  # __exit__ does not run when __enter__ fails
+            self.cancelled.set()
+            self._cleanup()
+            raise
 
     def join(self) -> "OutputDir":
         """Enter as a helper process of a distributed run (:mod:`ckptctl.ops.distributed`):
@@ -274,14 +298,14 @@ class OutputDir:
         raise UsageError(f"{self.store.display(WRITING_MARKER)}: a ckptctl writer (pid {pid}, "
                          f"started {doc.get('started')}) is still writing here; stop it first")
 
-    def _write_marker(self) -> None:
+    def _write_marker(self, name: str = WRITING_MARKER) -> None:
         doc = {"pid": os.getpid(), "host": socket.gethostname(),
                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "command": self.command}
         if self.base:
             doc["base"] = self.base
-        self._track(WRITING_MARKER)
-        self.store.write_atomic(WRITING_MARKER, (json.dumps(doc) + "\n").encode())
+        self._track(name)
+        self.store.write_atomic(name, (json.dumps(doc) + "\n").encode())
 
     def __exit__(self, exc_type, exc, tb):
         if exc_type is not None:  # even after commit(): the manifest did not make it
@@ -323,12 +347,12 @@ class OutputDir:
         """Every data file and format marker is written: make the folder's entries
         durable and remove the unfinished-writer marker. The caller writes the manifest
         next, inside the ``with``: if that fails, the whole output is still removed."""
-        if self.single_file is None:
-            self._track(MANIFEST)
+        if self.single_file is None or self.single_marker:
+            self._track(control_name(MANIFEST, self.single_file))
         if self.store.is_local:
             _sync_dir(self.store.full())
-        if self.single_file is None:
-            self.store.remove(WRITING_MARKER)
+        if self.single_file is None or self.single_marker:
+            self.store.remove(control_name(WRITING_MARKER, self.single_file))
             if self.store.is_local:
                 _sync_dir(self.store.full())
 
@@ -352,8 +376,7 @@ class OutputDir:
         store = self.store
         blocked = _block_signals() if store.is_local else None
         try:
-            order = sorted(self.created, key=lambda r: (r not in _COMMIT_FILES,
-                                                        r == WRITING_MARKER))
+            order = sorted(self.created, key=_cleanup_rank)
             for rel in order:
                 try:
                     store.remove(rel)
@@ -373,10 +396,23 @@ class OutputDir:
             _unblock_signals(blocked)
 
 
-def live_writer(store: Store) -> dict | None:
+def _cleanup_rank(rel: str) -> tuple[bool, bool]:
+    """Where ``rel`` goes in a cleanup: commit files (a single file's sidecar manifest
+    too) first, writing markers last.
+
+    >>> sorted(["a.pt.ckptctl-writing", "a.pt", "a.pt.ckptctl.manifest.json"], key=_cleanup_rank)
+    ['a.pt.ckptctl.manifest.json', 'a.pt', 'a.pt.ckptctl-writing']
+    """
+    side = sidecar_of(rel)
+    control = side[1] if side else rel
+    return control not in _COMMIT_FILES, control == WRITING_MARKER
+
+
+def live_writer(store: Store, single: str | None = None) -> dict | None:
     """The ``.ckptctl-writing`` record of ``store`` when it names a ckptctl process still
     running on this host (this one included), else None: a leftover of a killed writer,
-    another host's (which cannot be checked from here) or no marker at all.
+    another host's (which cannot be checked from here) or no marker at all. ``single``:
+    the marker beside that one file (``train.pt.ckptctl-writing``).
 
     >>> import tempfile
     >>> from ckptctl.storage import open_store
@@ -384,7 +420,7 @@ def live_writer(store: Store) -> dict | None:
     True
     """
     try:
-        doc = json.loads(store.read(WRITING_MARKER))
+        doc = json.loads(store.read(control_name(WRITING_MARKER, single)))
         pid, host = int(doc["pid"]), doc["host"]
     except (CkptError, ValueError, KeyError, TypeError):
         return None  # missing or unreadable: a leftover

@@ -30,8 +30,9 @@ import json
 import re
 
 from ..errors import CkptError, Finding, StorageError
-from ..formats.manifest import (CONTROL_FILES, MANIFEST, NEEDED_BY_PREFIX, WRITING_MARKER,
-                                Manifest, is_control_file, is_temp_name)
+from ..formats.manifest import (CONTROL_FILES, MANIFEST, NEEDED_BY_PREFIX, SIDECAR_SUFFIXES,
+                                WRITING_MARKER, Manifest, is_control_file, is_temp_name,
+                                sidecars)
 from ..storage import Store
 
 #: Side files of a model folder (HF ``save_pretrained``, the Trainer, accelerate, PEFT):
@@ -42,9 +43,11 @@ SIDE_FILES = ("*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "tokenizer*
 _DATA = re.compile(r"^(?:.*\.distcp|\.metadata|.*\.safetensors|.*\.safetensors\.index\.json"
                    r"|.*\.(?:pt|pth|bin|ckpt)|.*\.bin\.index\.json|random_states_\d+\.pkl"
                    r"|custom_checkpoint_\d+\.pkl|ckptctl\.pack\.json|data-\d{5,9}\.bin)$")
-#: Temporary names of ckptctl's own small writes of its markers (a write killed midway).
-_CONTROL_TEMP = re.compile(r"^\.(?:%s)\.[^/]*\.tmp$" % "|".join(
-    re.escape(c) for c in CONTROL_FILES))
+#: Temporary names of ckptctl's own small writes of its markers (a write killed midway),
+#: in a folder or beside a single-file checkpoint (``.train.pt.ckptctl-pinned.x1.tmp``).
+_CONTROL_TEMP = re.compile(r"^\.(?:%s|[^/]+(?:%s))\.[^/]*\.tmp$" % (
+    "|".join(re.escape(c) for c in CONTROL_FILES),
+    "|".join(re.escape(s) for s in SIDECAR_SUFFIXES.values())))
 
 
 def is_control_temp(rel: str) -> bool:
@@ -53,6 +56,8 @@ def is_control_temp(rel: str) -> bool:
 
     >>> is_control_temp("..ckptctl-writing.k2j3.tmp"), is_control_temp(".metadata.tmp")
     (True, False)
+    >>> is_control_temp(".train.pt.ckptctl.manifest.json.k2j3.tmp")
+    True
     """
     return _CONTROL_TEMP.match(rel) is not None
 
@@ -82,16 +87,17 @@ def split_owned(files: dict[str, int], manifest: Manifest | None = None, *,
     """``(owned, foreign)``: the files of one checkpoint folder (``files``, relative to it)
     that are the checkpoint's, and the sorted names of the others. ``manifest``: its
     parsed manifest, whose files are owned too; ``single``: a lone-file checkpoint, which
-    owns that file alone.
+    owns that file and ckptctl's sidecars beside it (its manifest, writing marker, pin).
 
     >>> split_owned({"model.safetensors": 9, "config.json": 1, "tokenizer.json": 1,
     ...              ".ckptctl-pinned": 1, "README.md": 2})[1]
     ['README.md']
-    >>> split_owned({"x.pt": 9, "y.pt": 9}, single="x.pt")
-    ({'x.pt': 9}, [])
+    >>> split_owned({"x.pt": 9, "y.pt": 9, "x.pt.ckptctl-pinned": 1}, single="x.pt")
+    ({'x.pt': 9, 'x.pt.ckptctl-pinned': 1}, [])
     """
     if single is not None:
-        return {single: files[single]} if single in files else {}, []
+        return ({single: files[single], **sidecars(single, files)} if single in files
+                else {}), []
     listed = set(manifest.files) if manifest is not None else set()
     listed |= layout_files(files)
     model_folder = any("/" not in rel and rel.endswith((".safetensors", ".pt", ".pth", ".bin",
@@ -202,10 +208,14 @@ def external_dependants(store, files: dict[str, int], checkpoint_id: str | None,
 
 
 def packs_needing(url: str, store: Store, files: dict[str, int], checkpoint_id: str,
-                  storage_options: dict | None = None) -> list[str]:
+                  storage_options: dict | None = None, *,
+                  single: str | None = None) -> list[str]:
     """The delta packs that need checkpoint ``checkpoint_id`` (at ``url``, ``store`` and
     its listing ``files``) as their base: those beside it under its parent folder (one
     listing, one small read per pack) and those elsewhere that left a reference.
+    ``single``: the checkpoint is that one file in ``store``, whose packs are beside it
+    in ``store`` itself (a lone file holds no references: packs elsewhere never name it,
+    :func:`~ckptctl.ops.pack.pack` refuses that).
 
     >>> packs_needing("run/step-100", store, files, man.checkpoint_id)   # doctest: +SKIP
     ['run/step-200']
@@ -213,9 +223,9 @@ def packs_needing(url: str, store: Store, files: dict[str, int], checkpoint_id: 
     from ..formats.detect import group_checkpoints
     from ..formats.pack import PACK_INDEX
 
-    out = external_dependants(store, files, checkpoint_id, storage_options)
-    parent = store.parent()
-    me = store.url.rstrip("/")
+    out = [] if single else external_dependants(store, files, checkpoint_id, storage_options)
+    parent = store if single else store.parent()
+    me = store.display(single) if single else store.url.rstrip("/")
     for rel, group in sorted(group_checkpoints(parent.list_files()).items()):
         if not rel or f"{rel}/{PACK_INDEX}" not in group or f"{rel}/{MANIFEST}" not in group:
             continue
@@ -325,7 +335,8 @@ def check_removable(url: str, store: Store | None, files: dict[str, int],
         owned = refuse_foreign(url, files, manifest, single=single, doing=doing)
     if manifest is None or not dependants:
         return owned
-    deps = packs_needing(url, store, files, manifest.checkpoint_id, storage_options)
+    deps = packs_needing(url, store, files, manifest.checkpoint_id, storage_options,
+                         single=single)
     if deps:
         raise Finding(url, f"the base of {len(deps)} delta pack(s) that could not be "
                       f"restored without it ({foreign_list(deps)}); "

@@ -18,6 +18,11 @@ bytes (``same``: nothing; else ``xor``).
 hash while writing, and the source's manifest last: the restored checkpoint has the
 source's id.
 
+A single-file checkpoint (``train.pt``) packs into a pack folder like any other (its
+index names the file, its sidecar manifest is packed beside it) and unpacks back to the
+one file, byte for byte, and its sidecar manifest, DST naming the file or the folder it
+goes into (:func:`~ckptctl.formats.locate.single_target`).
+
 >>> import json, pathlib, struct, tempfile
 >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "ck").mkdir()
 >>> hdr = json.dumps({"w": {"dtype": "F32", "shape": [1024], "data_offsets": [0, 4096]}}).encode()
@@ -49,7 +54,7 @@ from typing import Callable
 
 from .. import __version__
 from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
-from ..formats.manifest import MANIFEST, FileEntry, Manifest
+from ..formats.manifest import MANIFEST, FileEntry, Manifest, control_name
 from ..formats.pack import (DATA_FILE_SIZE, DEFAULT_MAX_CHAIN, MAX_DEPTH, PACK_INDEX,
                             ChunkRef, PackIndex, PackStore, Segment, data_name, is_pack,
                             open_pack, relative_url)
@@ -285,10 +290,12 @@ def _plan_file(rel: str, size: int, spans: list, chunk: int,
 
 def _source(src: str, options: dict | None, workers: int, *, seal_source: bool | None = None,
             source_manifest: bytes | None = None):
-    """(store, files, manifest, its bytes, sealed by us) of a complete source checkpoint.
-    An unsealed one is hashed (:func:`~.seal.seal_or_hash`) unless ``source_manifest``
-    (its manifest, computed by the caller) is given; left unsealed, its manifest exists
-    in memory only (``files`` has none) and is packed from there."""
+    """(store, files, manifest, its bytes, sealed by us, single file or None) of a
+    complete source checkpoint. An unsealed one is hashed (:func:`~.seal.seal_or_hash`)
+    unless ``source_manifest`` (its manifest, computed by the caller) is given; left
+    unsealed, its manifest exists in memory only (``files`` has none) and is packed from
+    there. A single-file checkpoint's store is the folder holding it, its manifest the
+    sidecar beside it."""
     from ..formats.detect import locate
     from ..formats.locate import refuse_save_folder
     from ..formats.pack import pack_view
@@ -296,12 +303,10 @@ def _source(src: str, options: dict | None, workers: int, *, seal_source: bool |
     located = pack_view(locate(src, options), options)
     refuse_save_folder(located, src, "pack")
     store, files, single = located
-    if single:
-        raise UsageError("pack takes a checkpoint folder (a lone file has no place for its "
-                         "manifest); put the file in its own folder", src)
+    mname = control_name(MANIFEST, single)
     sealed = False
-    raw = source_manifest if MANIFEST not in files else None
-    if MANIFEST not in files and raw is None:
+    raw = source_manifest if mname not in files else None
+    if mname not in files and raw is None:
         from .seal import seal_or_hash
 
         man, sealed = seal_or_hash(src, options, seal_source=seal_source, workers=workers,
@@ -311,15 +316,15 @@ def _source(src: str, options: dict | None, workers: int, *, seal_source: bool |
         else:
             raw = man.to_bytes()
     if raw is None:
-        raw = store.read(MANIFEST)
-    man = Manifest.parse(raw, store.display(MANIFEST))
+        raw = store.read(mname)
+    man = Manifest.parse(raw, store.display(mname))
     for rel, rec in man.files.items():
         if files.get(rel) != rec.size:
             what = "missing" if rel not in files else f"{files[rel]} bytes, manifest says {rec.size}"
             raise Finding(store.display(rel), f"source does not match its manifest ({what}); "
                           "run `ckptctl verify` on it",
                           code="MISSING_FILE" if rel not in files else "SIZE_MISMATCH")
-    return store, files, man, raw, sealed
+    return store, files, man, raw, sealed, single
 
 
 def _open_base(base: str, options: dict | None, *, plain_copy: str | None = None,
@@ -355,9 +360,9 @@ def _open_base(base: str, options: dict | None, *, plain_copy: str | None = None
         if copy is not None:
             return (*copy, bid, depth, plain_copy, chain)
     man = store.manifest if isinstance(store, PackStore) else \
-        None if single else Manifest.read(store, files)  # (a pack's names what it restores)
+        Manifest.read(store, files, single)  # (a pack's names what it restores)
     if man is None:
-        raise UsageError(f"--base must be a sealed checkpoint folder (run `ckptctl seal "
+        raise UsageError(f"--base must be a sealed checkpoint (run `ckptctl seal "
                          f"{base}` first)", base)
     ck = open_checkpoint(base, options, read_step=False, located=located)
     depth = (store.index.depth + 1) if isinstance(store, PackStore) else 1
@@ -408,6 +413,7 @@ def _note_dependant(base: str, base_options: dict | None, dst: str,
     """A delta pack written outside its base's folder leaves a reference there
     (:func:`~ckptctl.ops.ownership.record_dependant`), before any byte of the pack: gc
     and rm of the base's root cannot list the pack, but they keep what it needs."""
+    from ..formats.locate import file_format, single_files, split_file_url
     from ..storage import open_store
     from .ownership import record_dependant
 
@@ -416,6 +422,11 @@ def _note_dependant(base: str, base_options: dict | None, dst: str,
     if bstore.protocol == dstore.protocol and \
             bstore.parent().url.rstrip("/") == dstore.parent().url.rstrip("/"):
         return  # siblings: gc and rm of that root see the pack itself
+    folder, name = split_file_url(base)
+    if file_format(name) and single_files(open_store(folder, base_options), name):
+        raise UsageError(f"a single-file base has no folder to hold the reference that keeps "
+                         f"gc from removing it while the pack at {dstore.url} needs it: pack "
+                         "against a base beside DST, or pass --base none", base)
     try:
         record_dependant(bstore, dstore.url, base_id)
     except StorageError as e:
@@ -463,15 +474,16 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
         raise UsageError(f"--level must be 1..22, got {level}")
     if not 0 <= max_chain <= MAX_DEPTH:
         raise UsageError(f"--max-chain must be 0..{MAX_DEPTH}, got {max_chain}")
-    store, files, man, raw_man, sealed = _source(src, storage_options, workers,
-                                                 seal_source=seal_source,
-                                                 source_manifest=source_manifest)
-    if MANIFEST not in files and group is not None and group.active:
+    store, files, man, raw_man, sealed, single = _source(src, storage_options, workers,
+                                                         seal_source=seal_source,
+                                                         source_manifest=source_manifest)
+    mname = control_name(MANIFEST, single)  # a single file's manifest: packed as its sidecar
+    if mname not in files and group is not None and group.active:
         raise UsageError("the source is not sealed and was left so: under torchrun/srun every "
                          "process must pack the same manifest; seal it first (`ckptctl seal "
                          f"{src}`) or pack in one process", src)
     store.cache_small_files(files)  # remote: one GET per small file (no effect locally)
-    ck = open_checkpoint(src, storage_options, read_step=False, located=(store, files, None))
+    ck = open_checkpoint(src, storage_options, read_step=False, located=(store, files, single))
     base_map = base_store = None
     base_info = full_reason = base_read = None
     depth = 0
@@ -496,12 +508,12 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
                 base_info["chain"] = [relative_url(dst, u) for u in chain]
             _note_dependant(base, base_storage_options if base_storage_options is not None
                             else storage_options, dst, dst_storage_options, bid)
-    names = sorted(man.files) + [MANIFEST]
+    names = sorted(man.files) + [mname]
     sizes = {rel: man.files[rel].size for rel in man.files}
-    sizes[MANIFEST] = len(raw_man)
+    sizes[mname] = len(raw_man)
     spans = tensor_spans(ck, store, sizes)
     chunk = packcodec.CHUNK_SIZE
-    plans = {rel: _plan_file(rel, sizes[rel], spans.get(rel, []) if rel != MANIFEST else [],
+    plans = {rel: _plan_file(rel, sizes[rel], spans.get(rel, []) if rel != mname else [],
                              chunk, base_map) for rel in names}
     if on_total:
         on_total(sum(sizes.values()))
@@ -509,7 +521,8 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
 
     group = group if group is not None else Group()
     dstore = open_store(dst, dst_storage_options)
-    out = OutputDir(dstore, command="pack", force=force, source=store.url,
+    out = OutputDir(dstore, command="pack", force=force,
+                    source=store.display(single) if single else store.url,
                     base=base_info["id"] if base_info else None)
     jobs, batches = _jobs(names, plans, packcodec.CHUNK_SIZE)
     data_of, unit_of = data_layout(jobs, batches, sizes)
@@ -517,7 +530,7 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
     def write() -> dict:
         return _encode_all(store, names, jobs, batches, data_of, unit_of, man, base_store,
                            out, level, workers, on_bytes, packcodec, share=group.mine,
-                           manifest_bytes=raw_man)
+                           manifest_bytes=raw_man, manifest_name=mname)
 
     def finish(reports: list[dict]):
         data_hashes: dict[str, tuple[str, int]] = {}
@@ -532,7 +545,8 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
             seg.chunks.append(ChunkRef(*refs[i]))
         idx = PackIndex.build(
             _source_doc(raw_man), man.id, chunk,
-            {rel: (sizes[rel], [s for s, _ in plans[rel]]) for rel in names}, base_info)
+            {rel: (sizes[rel], [s for s, _ in plans[rel]]) for rel in names}, base_info,
+            single)
         blob = idx.to_bytes()
         out.write_atomic(PACK_INDEX, blob)
         from ..storage import digest_bytes
@@ -556,18 +570,20 @@ def pack(src: str, dst: str, *, base: str | None = None, level: int = 3,
     done = write_shared(group, out, write, finish, planned=planned)
     if not isinstance(done, tuple):  # another process's share: its own data files
         hashes = {rel: (h, int(n)) for rel, (h, n) in done["hashes"].items()}
-        return PackResult(store.url, dstore.url, man.id, None,
+        shown = store.display(single) if single else store.url
+        return PackResult(shown, dstore.url, man.id, None,
                           base_info["id"] if base_info else None, depth,
                           0, sum(n for _, n in hashes.values()), 0.0,
                           dict(sorted(done["chunks"].items())), len(names), len(hashes),
                           time.monotonic() - t0, sealed, full_reason, 0, 0)
     hashes, chunks, pman, pack_id = done
-    unsealed = MANIFEST not in files
+    unsealed = mname not in files
     bytes_out = sum(n for _, n in hashes.values())
     bytes_in = sum(sizes.values())
     tensors = sum(1 for p in plans.values() for s, _ in p if s.kind == "tensor")
     based = sum(1 for p in plans.values() for s, _ in p if s.base is not None)
-    return PackResult(store.url, dstore.url, man.id, pack_id,
+    return PackResult(store.display(single) if single else store.url, dstore.url, man.id,
+                      pack_id,
                       base_info["id"] if base_info else None, depth, bytes_in,
                       bytes_out + len(pman.to_bytes()),
                       round(bytes_in / (bytes_out + len(pman.to_bytes())), 4),
@@ -645,14 +661,15 @@ def data_layout(jobs, batches, sizes: dict[str, int],
 
 def _encode_all(store, names, jobs, batches, data_of, unit_of, man: Manifest, base_store,
                 out: OutputDir, level: int, workers: int, on_bytes, codec, *,
-                share=None, manifest_bytes: bytes | None = None) -> dict:
+                share=None, manifest_bytes: bytes | None = None,
+                manifest_name: str = MANIFEST) -> dict:
     """Encode the chunks of this process's data files (``share`` picks its units; None:
     all) on a thread pool (at most 2 x workers batches in flight), append the payloads to
     the data files :func:`data_layout` chose, in order; hash every source file on the way
     against the source manifest. Returns this share's report: ``hashes`` {data file:
     [hash, size]}, ``chunks`` by mode, ``refs`` [[job index, ChunkRef fields...]].
     ``manifest_bytes``: the source manifest, when it is no file of the source (a source
-    left unsealed)."""
+    left unsealed); ``manifest_name``: its name among ``names`` (a single file's sidecar)."""
     units = sorted(set(unit_of))
     mine_units = set(share(units) if share is not None else units)
     mine = [k for k, b in enumerate(batches) if unit_of[data_of[k]] in mine_units]
@@ -667,7 +684,7 @@ def _encode_all(store, names, jobs, batches, data_of, unit_of, man: Manifest, ba
         start = seg0.offset + pos0
         _, lseg, lpos, ln = jobs[batch[-1]]
         end = lseg.offset + lpos + ln
-        blob = manifest_bytes[start:end] if rel == MANIFEST and manifest_bytes is not None \
+        blob = manifest_bytes[start:end] if rel == manifest_name and manifest_bytes is not None \
             else store.read_range(rel, start, end)
         if len(blob) != end - start:
             raise FormatError(store.display(rel), f"file ends before byte {end} (changed "
@@ -811,15 +828,22 @@ def unpack(pack_url: str, dst: str, *, base: str | None = None, workers: int | N
     ps = open_pack_url(pack_url, storage_options, base=base,
                        base_storage_options=base_storage_options, workers=workers)
     idx = ps.index
-    raw_man = ps.read(MANIFEST)
-    man = Manifest.parse(raw_man, ps.display(MANIFEST))
+    raw_man = ps.read(idx.manifest_name)
+    man = Manifest.parse(raw_man, ps.display(idx.manifest_name))
     if man.id != idx.source_id:
-        raise FormatError(ps.display(MANIFEST), f"restored manifest is checkpoint {man.id}, the "
-                          f"pack says {idx.source_id}", code="MANIFEST_MISMATCH")
+        raise FormatError(ps.display(idx.manifest_name), f"restored manifest is checkpoint "
+                          f"{man.id}, the pack says {idx.source_id}", code="MANIFEST_MISMATCH")
     names = write_order(list(man.files), {r: f.size for r, f in man.files.items()})
     if on_total:
         on_total(man.total_bytes)
-    dstore = open_store(dst, dst_storage_options)
+    single = idx.single  # one file, with its sidecars: DST is that file or its folder
+    if single:
+        from ..formats.locate import single_target
+
+        folder, single = single_target(dst, single)
+        dstore = open_store(folder, dst_storage_options)
+    else:
+        dstore = open_store(dst, dst_storage_options)
 
     par = max(1, min(workers, 4))  # files at once; each decodes a few chunks ahead
     ahead = max(2, (2 * workers) // par)
@@ -835,16 +859,18 @@ def unpack(pack_url: str, dst: str, *, base: str | None = None, workers: int | N
                           f"hash ({man.hash})", code="HASH_MISMATCH")
 
     try:
-        with OutputDir(dstore, command="unpack", force=force, source=ps.url) as out:
+        with OutputDir(dstore, command="unpack", force=force, source=ps.url,
+                       single_file=single, marker=True) as out:
             data = [n for n in names if not is_format_marker(n)]
             out.map(one, data, par)
             for rel in names[len(data):]:
                 one(rel)
             out.commit()
-            mid = commit_manifest(dstore, man, data=raw_man)
+            mid = commit_manifest(dstore, man, data=raw_man, single=single)
     finally:
         ps.close()
-    return UnpackResult(ps.url, dstore.url, mid, idx.base["id"] if idx.base else None,
+    return UnpackResult(ps.url, dstore.display(single) if single else dstore.url, mid,
+                        idx.base["id"] if idx.base else None,
                         idx.depth, man.total_bytes + len(raw_man), len(names) + 1, idx.modes(),
                         time.monotonic() - t0)
 

@@ -30,6 +30,11 @@ resumable, and committed last.
    copied as it is only when its base is reachable from there, else packed again against
    a checkpoint there or as a full pack (see :func:`promote`). Every mode reports the id
    of the checkpoint stored (a pack's ``packs``, not the pack's own manifest id).
+7. A single-file checkpoint (``train.pt``) goes the same way (:func:`_promote_single`):
+   DST is the file when it ends in its name, else the folder it goes into
+   (:func:`~ckptctl.formats.locate.single_target`); its writing marker
+   (``train.pt.ckptctl-writing``) first, the file, then its sidecar manifest
+   (``train.pt.ckptctl.manifest.json``, the source's bytes), the marker's removal last.
 
 >>> r = promote("/nvme/run1/step-200", "s3://bucket/run1/step-200", bwlimit="200MiB/s")  # doctest: +SKIP
 >>> r.action, r.bytes_sent == r.bytes                                  # doctest: +SKIP
@@ -44,11 +49,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
+from ..errors import CkptError, Finding, FormatError, NotFoundError, StorageError, UsageError
 from ..formats.detect import locate  # the checkpoint's own files, as ls counts them
-from ..formats.locate import refuse_save_folder
+from ..formats.locate import refuse_save_folder, single_files, single_target
 from ..formats.manifest import (MANIFEST, PIN_FILE, PROMOTE_WORK_SUFFIX, WRITING_MARKER,
-                                Manifest, is_control_file)
+                                Manifest, control_name, is_control_file)
 from ..storage import open_store
 from ..storage.journal import Journal, journal_path_for
 from ..storage.ratelimit import RateLimiter, parse_rate
@@ -102,29 +107,32 @@ class PromoteResult:
 
 
 def _source(src: str, options: dict | None, *, dry_run: bool, workers: int,
-            seal_source: bool | None = None):
-    """(store, listing, manifest, its bytes, sealed by us) of the source checkpoint; an
-    unsealed one is hashed (:func:`~.seal.seal_or_hash`), its manifest then maybe only in
-    memory (the listing has no manifest)."""
+            seal_source: bool | None = None, dst: str | None = None):
+    """(store, listing, manifest, its bytes, sealed by us, single file or None) of the
+    source checkpoint; an unsealed one is hashed (:func:`~.seal.seal_or_hash`), its
+    manifest then maybe only in memory (the listing has no manifest). A single-file
+    checkpoint's store is the folder holding it, its manifest the sidecar beside it;
+    ``dst``: where a copy of it goes, checked (:func:`single_target`) before anything is
+    written."""
     store, files, single = located = locate(src, options)
     refuse_save_folder(located, src, "promote")
-    if single:
-        raise UsageError("promote takes a checkpoint folder (a lone file has no place for "
-                         "its manifest); put the file in its own folder", src)
-    _not_held(store, files)
+    if single and dst is not None:
+        single_target(dst, single)  # a usage error (another name) before the seal
+    _not_held(store, files, single)
+    mname = control_name(MANIFEST, single)
     sealed = False
-    if MANIFEST not in files:
+    if mname not in files:
         if dry_run:
-            return store, files, None, None, False
+            return store, files, None, None, False, single
         from .seal import seal_or_hash
 
         man, sealed = seal_or_hash(src, options, seal_source=seal_source, workers=workers,
                                    located=(store, files, single))  # incomplete: exit 1
         if sealed:
             store, files, _ = locate(src, options)
-    if MANIFEST in files:
-        raw = store.read(MANIFEST)
-        man = Manifest.parse(raw, store.display(MANIFEST))
+    if mname in files:
+        raw = store.read(mname)
+        man = Manifest.parse(raw, store.display(mname))
     else:  # left unsealed: the manifest exists here, in memory, and goes to DST only
         raw = man.to_bytes()
     for rel, rec in man.files.items():
@@ -133,16 +141,19 @@ def _source(src: str, options: dict | None, *, dry_run: bool, workers: int,
             raise Finding(store.display(rel), f"source does not match its manifest ({what}); "
                           "run `ckptctl verify` on it", code="MISSING_FILE" if rel not in files
                           else "SIZE_MISMATCH")
-    return store, files, man, raw, sealed
+    return store, files, man, raw, sealed, single
 
 
-def _not_held(store: Store, files: dict[str, int] | None = None) -> None:
+def _not_held(store: Store, files: dict[str, int] | None = None,
+              single: str | None = None) -> None:
     """Refuse (NOT_COMMITTED) a source that a ckptctl writer or remover holds
-    (``.ckptctl-writing``): checked before the copy and again before the commit, so a copy
-    that raced a ``gc`` or ``rm`` of its source never commits."""
-    held = WRITING_MARKER in files if files is not None else store.exists(WRITING_MARKER)
+    (``.ckptctl-writing``; a single file's: ``FILE.ckptctl-writing``): checked before the
+    copy and again before the commit, so a copy that raced a ``gc`` or ``rm`` of its
+    source never commits."""
+    marker = control_name(WRITING_MARKER, single)
+    held = marker in files if files is not None else store.exists(marker)
     if held:
-        raise FormatError(store.display(WRITING_MARKER), "a ckptctl writer or remover holds "
+        raise FormatError(store.display(marker), "a ckptctl writer or remover holds "
                           "the source; nothing was committed", code="NOT_COMMITTED")
 
 
@@ -307,20 +318,19 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     if part_size < (5 << 20):
         raise UsageError("--part-size must be at least 5MiB (the S3 minimum)")
     if group is not None and group.active and not dry_run and pack is None:
-        if _delta_pack(src, src_options):
-            raise UsageError("a delta pack is restored (unpacked) on its way to a plain "
-                             "place, which runs in one process: run it without "
-                             "torchrun/srun", src)
+        if why := _one_process(src, src_options):
+            raise UsageError(f"{why}: run it without torchrun/srun", src)
         return _promote_shared(group, src, dst, src_options, dst_options, bwlimit=bwlimit,
                                workers=workers, part_size=part_size,
                                delete_source=delete_source, on_bytes=on_bytes,
                                on_total=on_total, t0=t0)
     limiter = limiter or RateLimiter(parse_rate(bwlimit))
-    sstore, sfiles, man, raw, sealed = _source(src, src_options, dry_run=dry_run,
-                                               workers=workers, seal_source=seal_source)
-    if delete_source and PIN_FILE in sfiles:  # said before a byte moves, not after
-        raise Finding(sstore.url, "source is pinned; `ckptctl unpin` it or drop "
-                      "--delete-source", code="FINDING")
+    sstore, sfiles, man, raw, sealed, single = _source(
+        src, src_options, dry_run=dry_run, workers=workers, seal_source=seal_source,
+        dst=None if pack else dst)
+    if delete_source and control_name(PIN_FILE, single) in sfiles:  # said before a byte moves
+        raise Finding(sstore.display(single) if single else sstore.url, "source is pinned; "
+                      "`ckptctl unpin` it or drop --delete-source", code="FINDING")
     from ..formats.pack import is_pack
 
     carried = None
@@ -334,15 +344,23 @@ def promote(src: str, dst: str, src_options: dict | None = None,
                         level=level, workers=workers, delete_source=delete_source,
                         dry_run=dry_run, sealed=sealed, man=man, raw=raw, sstore=sstore,
                         sfiles=sfiles, on_bytes=on_bytes, on_total=on_total, t0=t0,
-                        max_chain=max_chain)
+                        max_chain=max_chain, single=single)
     if man is None:  # dry run of an unsealed source: what sealing would list
         from ..formats.manifest import is_temp_name
 
         names = [r for r in sfiles if not is_control_file(r) and not is_temp_name(r)]
-        return PromoteResult(sstore.url, dst, "dry-run", "", False, len(names),
+        where = "/".join(single_target(dst, single)) if single and not pack else dst
+        return PromoteResult(sstore.display(single) if single else sstore.url, where,
+                             "dry-run", "", False, len(names),
                              sum(sfiles[r] for r in names), to_send=write_order(names, sfiles),
                              bytes_to_send=sum(sfiles[r] for r in names),
                              seconds=round(time.monotonic() - t0, 3))
+    if single:
+        return _promote_single(sstore, sfiles, single, man, raw, sealed, dst, dst_options,
+                               limiter=limiter, workers=workers, part_size=part_size,
+                               delete_source=delete_source, dry_run=dry_run,
+                               on_bytes=on_bytes, on_total=on_total, t0=t0,
+                               src_options=src_options)
     d = _Destination(dst, dst_options, man, man.id)
     if _overlaps(sstore, d.final):
         raise UsageError(f"destination {d.final.url} overlaps the source {sstore.url}")
@@ -421,8 +439,8 @@ def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwli
     d = place = journal = None
     try:
         if r0:
-            sstore, sfiles, man, raw, sealed = _source(src, src_options, dry_run=False,
-                                                       workers=workers)
+            sstore, sfiles, man, raw, sealed, _ = _source(src, src_options, dry_run=False,
+                                                          workers=workers)
             d = _Destination(dst, dst_options, man, man.id)
             if _overlaps(sstore, d.final):
                 raise UsageError(f"destination {d.final.url} overlaps the source {sstore.url}")
@@ -550,11 +568,148 @@ def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwli
     return _finish(result, sstore, sfiles, d, delete_source, t0, src_options)
 
 
+def _promote_single(sstore: Store, sfiles: dict[str, int], single: str, man: Manifest,
+                    raw: bytes, sealed: bool, dst: str, dst_options: dict | None, *,
+                    limiter: RateLimiter, workers: int, part_size: int, delete_source: bool,
+                    dry_run: bool, on_bytes, on_total, t0: float,
+                    src_options: dict | None) -> PromoteResult:
+    """:func:`promote` of the single-file checkpoint ``single`` (in the folder ``sstore``,
+    ``sfiles`` the file and its sidecars). DST is the file, or the folder it goes into
+    under its own name (:func:`~ckptctl.formats.locate.single_target`). Its writing marker
+    goes first (``train.pt.ckptctl-writing``, naming this source), then the file (hashed
+    while copied, published only when it matches), then its sidecar manifest (the
+    source's bytes: the same id), exclusively; the marker's removal is the last write. A
+    rerun adopts the file a killed run published and resumes an unfinished multipart
+    upload from its journal (``~/.cache/ckptctl/promote``).
+
+    >>> promote("hot/train.pt", "s3://b/warm/").dst              # doctest: +SKIP
+    's3://b/warm/train.pt'
+    """
+    folder, name = single_target(dst, single)
+    dstore = open_store(folder, dst_options)
+    where = dstore.display(name)
+    if _overlaps(sstore, dstore, single):
+        raise UsageError(f"destination {where} is the source")
+    result = PromoteResult(sstore.display(single), where, "promoted", man.checkpoint_id,
+                           sealed, len(man.files), man.total_bytes,
+                           source_unsealed=control_name(MANIFEST, single) not in sfiles)
+    state, present = _single_state(dstore, name, man)
+    marker = control_name(WRITING_MARKER, name)
+    if state == "committed":
+        result.action = "up-to-date"
+        if marker in present and not dry_run:  # killed after the commit: finish it
+            dstore.remove(marker)
+        if delete_source and not dry_run:
+            result.deleted_source = _delete_source(sstore, sfiles, man, dstore, dst_options,
+                                                   src_options, single=single)
+        result.seconds = round(time.monotonic() - t0, 3)
+        return result
+    header, path = {"source": man.id}, journal_path_for(where)
+    journal = (Journal.peek(path, header) if dry_run and state == "resume"
+               else Journal(None if dry_run else path, header, durable=not dstore.is_local))
+    if state == "resume":
+        _adopt_published(journal, present, man)
+    todo = [rel for rel in man.files
+            if journal.files.get(rel) != (man.files[rel].hash, man.files[rel].size)]
+    result.to_send = todo
+    result.bytes_to_send = sum(journal.pending_bytes(r, man.files[r].size) for r in todo)
+    result.files_skipped = len(man.files) - len(todo)
+    if dry_run:
+        result.action = "dry-run"
+        result.seconds = round(time.monotonic() - t0, 3)
+        return result
+    if on_total:
+        on_total(man.total_bytes)
+    if marker not in present:
+        dstore.write_atomic(marker, _marker(man.id, journal.path))
+    t = Transfer(sstore, dstore, journal=journal, algo=man.hash, limiter=limiter,
+                 part_size=part_size, workers=workers, on_bytes=on_bytes)
+    result.server_copy = t.server_copy
+    try:
+        for fc in copy_files(t, todo, man, workers):
+            result.files_sent += 1
+            result.bytes_sent += fc.sent
+            result.parts_sent += fc.parts_sent
+            result.parts_resumed += fc.parts_resumed
+        try:
+            landed = dstore.size(name)
+        except NotFoundError:
+            landed = None
+        if landed != man.files[name].size:
+            raise Finding(where, f"did not land at the destination ({landed} bytes, not "
+                          f"{man.files[name].size}); nothing was committed, rerun to resume",
+                          code="SIZE_MISMATCH")
+        _not_held(sstore, None, single)
+        journal.remove()
+        _abort_uploads(dstore, name)
+        commit(dstore, man, data=raw, single=name)
+        dstore.remove(marker)
+    finally:
+        t.close()
+        journal.close()
+    result.to_send, result.bytes_to_send = [], 0
+    if delete_source:
+        result.deleted_source = _delete_source(sstore, sfiles, man, dstore, dst_options,
+                                               src_options, single=single)
+    result.requests = {"source": _requests(sstore), "destination": _requests(dstore)}
+    result.seconds = round(time.monotonic() - t0, 3)
+    return result
+
+
+def _single_state(dstore: Store, name: str, man: Manifest) -> tuple[str, dict[str, int]]:
+    """(``"committed"`` | ``"resume"`` | ``"fresh"``, the file and sidecars there) of the
+    destination file ``name`` in ``dstore`` for a copy of ``man``; anything else there (a
+    folder of that name, another checkpoint, a file no ckptctl copy of this one left) is
+    refused (Finding ``ALREADY_EXISTS``, exit 1): never overwritten."""
+    where = dstore.display(name)
+    if dstore.isdir(name) if dstore.is_local else dstore.list_files_if_any(name):
+        raise Finding(where, "destination is a folder; remove it first or choose another "
+                      "place", code="ALREADY_EXISTS")
+    present = single_files(dstore, name, require_file=False)
+    mname, marker = control_name(MANIFEST, name), control_name(WRITING_MARKER, name)
+    if mname in present:
+        other = Manifest.parse(dstore.read(mname), dstore.display(mname))
+        if other.id == man.id and present.get(name) == man.files[name].size:
+            return "committed", present
+        raise Finding(where, f"destination holds another checkpoint ({other.id}); remove it "
+                      "first (`ckptctl rm`) or choose another place", code="ALREADY_EXISTS")
+    if marker in present:
+        try:
+            doc = json.loads(dstore.read(marker))
+        except (ValueError, CkptError):
+            doc = {}
+        if isinstance(doc, dict) and doc.get("command") == "promote" \
+                and doc.get("source") == man.id:
+            return "resume", present
+        raise Finding(dstore.display(marker), "another writer "
+                      f"({doc.get('command', 'unknown') if isinstance(doc, dict) else 'unknown'}) "
+                      "left or is writing this place; remove it first or choose another place",
+                      code="ALREADY_EXISTS")
+    if name in present:
+        raise Finding(where, "destination exists and is no copy of this checkpoint (no "
+                      "manifest beside it); remove it first or choose another place",
+                      code="ALREADY_EXISTS")
+    return "fresh", present
+
+
+def _abort_uploads(store: Store, rel: str) -> None:
+    """Abort the unfinished multipart uploads of ``rel`` a killed run began before its
+    journal knew them (billable, and verify warns of them); others' are left alone."""
+    if store.is_local or not store.caps.multipart:
+        return
+    from ..storage import multipart
+
+    for up in multipart.list_uploads(store):
+        if up.rel == rel:
+            multipart.abort_upload(store, up.rel, up.upload_id)
+
+
 def _finish(result: PromoteResult, sstore: Store, sfiles: dict[str, int], d: "_Destination",
-            delete_source: bool, t0: float, src_options: dict | None = None) -> PromoteResult:
+            delete_source: bool, t0: float, src_options: dict | None = None,
+            single: str | None = None) -> PromoteResult:
     if delete_source:
         result.deleted_source = _delete_source(sstore, sfiles, d.man, d.final, d.options,
-                                               src_options)
+                                               src_options, single=single)
     result.requests = {"source": _requests(sstore), "destination": _requests(d.work)}
     result.seconds = round(time.monotonic() - t0, 3)
     return result
@@ -563,38 +718,50 @@ def _finish(result: PromoteResult, sstore: Store, sfiles: dict[str, int], d: "_D
 def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, level: int,
              workers: int, delete_source: bool, dry_run: bool, sealed: bool, man: Manifest,
              raw: bytes | None, sstore: Store, sfiles: dict[str, int], on_bytes, on_total,
-             t0: float, max_chain: int = 8) -> PromoteResult:
+             t0: float, max_chain: int = 8, single: str | None = None) -> PromoteResult:
     """``promote --pack`` of a plain source, or ``--unpack`` of a pack: the pack writer
-    or reader does the copy; the same rails as a plain promote around it."""
-    from ..formats.pack import is_pack
+    or reader does the copy; the same rails as a plain promote around it. ``single``: the
+    source is that one file (its pack is a folder); a pack of one file unpacks to a file
+    (:func:`~ckptctl.formats.locate.single_target`)."""
+    from ..formats.pack import is_pack, read_index
     from .pack import pack as do_pack
     from .pack import unpack as do_unpack
 
     want = man.checkpoint_id  # a pack restores its source; plain: the manifest's own id
-    final = open_store(dst, dst_options)
-    if _overlaps(sstore, final):
-        raise UsageError(f"destination {final.url} overlaps the source {sstore.url}")
-    result = PromoteResult(sstore.url, final.url, "packed" if pack else "unpacked", want,
-                           sealed, len(man.files), man.total_bytes,
-                           source_unsealed=MANIFEST not in sfiles)
-    present = final.list_files_if_any()
+    one = None if pack else read_index(sstore, sfiles).single  # unpacks to that one file
+    if one:
+        folder, one = single_target(dst, one)
+        final = open_store(folder, dst_options)
+        present = single_files(final, one, require_file=False)
+    else:
+        final = open_store(dst, dst_options)
+        present = None
+    mname, marker = control_name(MANIFEST, one), control_name(WRITING_MARKER, one)
+    where = final.display(one) if one else final.url
+    if _overlaps(sstore, final, single):
+        raise UsageError(f"destination {where} overlaps the source {sstore.url}")
+    result = PromoteResult(sstore.display(single) if single else sstore.url, where,
+                           "packed" if pack else "unpacked", want, sealed, len(man.files),
+                           man.total_bytes,
+                           source_unsealed=control_name(MANIFEST, single) not in sfiles)
+    present = final.list_files_if_any() if present is None else present
     force = False
-    if MANIFEST in present:
-        there = Manifest.parse(final.read(MANIFEST), final.display(MANIFEST))
+    if mname in present:
+        there = Manifest.parse(final.read(mname), final.display(mname))
         if there.checkpoint_id == want and is_pack(present) == pack \
-                and WRITING_MARKER not in present:
+                and marker not in present:
             result.action = "up-to-date"
             if delete_source and not dry_run:
                 result.deleted_source = _delete_source(sstore, sfiles, man, final, dst_options,
-                                                       src_options)
+                                                       src_options, single=single)
             result.seconds = round(time.monotonic() - t0, 3)
             return result
-        raise Finding(final.url, f"destination holds another checkpoint ({there.checkpoint_id}); "
+        raise Finding(where, f"destination holds another checkpoint ({there.checkpoint_id}); "
                       "remove it first (`ckptctl rm`) or choose another place",
                       code="ALREADY_EXISTS")
     if present:
-        if WRITING_MARKER not in present:
-            raise Finding(final.url, "destination is not empty and holds no checkpoint of "
+        if marker not in present:
+            raise Finding(where, "destination is not empty and holds no checkpoint of "
                           "ckptctl's; remove it first or choose another place",
                           code="ALREADY_EXISTS")
         force = True  # what a killed pack or unpack left: started afresh
@@ -619,7 +786,8 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
                            storage_options=src_options, dst_storage_options=dst_options,
                            base_storage_options=dst_options, on_bytes=on_bytes,
                            on_total=on_total,
-                           source_manifest=raw if MANIFEST not in sfiles else None,
+                           source_manifest=raw if control_name(MANIFEST, single)
+                           not in sfiles else None,
                            base_listing=listed if base_url is not None else None)
 
         try:
@@ -641,7 +809,7 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
     result.files_sent = r.num_files
     result.num_files = r.num_files
     return _finish(result, sstore, sfiles, _Destination(dst, dst_options, man, want),
-                   delete_source, t0, src_options)
+                   delete_source, t0, src_options, single=single)
 
 
 def _newest_beside(final: Store, dst: str, options: dict | None) -> tuple[str | None, tuple]:
@@ -736,7 +904,8 @@ def _check_landed(work: Store, man: Manifest) -> None:
 
 
 def _delete_source(store: Store, files: dict[str, int], man: Manifest, final: Store,
-                   dst_options: dict | None, src_options: dict | None = None) -> bool:
+                   dst_options: dict | None, src_options: dict | None = None, *,
+                   single: str | None = None) -> bool:
     """``--delete-source``: remove the source (``files``: its listing, ``man``: the
     manifest the copy was made to) once the copy at ``final`` restores on its own (no
     delta pack whose base chain is missing or runs through the source) and the source
@@ -744,23 +913,28 @@ def _delete_source(store: Store, files: dict[str, int], man: Manifest, final: St
     that is not the checkpoint's and is no base of a pack beside it or elsewhere.
     Either refusal comes after the copy committed: a Finding (exit 1) that says the copy
     is there and the source was kept, and why; a rerun once the cause is gone finds the
-    copy up to date and removes the source."""
+    copy up to date and removes the source. ``single``: the source is that one file in
+    ``store`` (removed with its sidecars)."""
     from .ownership import check_removable
     from .remove import remove_checkpoint
 
-    _restores_without(final, dst_options, store)
+    _restores_without(final, dst_options, store, single, man.checkpoint_id)
     try:
-        check_removable(store.url, store, files, man, storage_options=src_options)
+        check_removable(store.display(single) if single else store.url, store, files, man,
+                        single=single, storage_options=src_options)
     except Finding as e:
         raise Finding(e.path, f"the copy at {final.url} is committed; kept the source: "
                       f"{e.message}", code=e.code) from None
-    remove_checkpoint(store, files)
+    remove_checkpoint(store, files, single=single)
     return True
 
 
-def _restores_without(final: Store, options: dict | None, source: Store) -> None:
+def _restores_without(final: Store, options: dict | None, source: Store,
+                      single: str | None = None, source_id: str | None = None) -> None:
     """Refuse (Finding, exit 1) to let ``source`` go when the checkpoint at ``final`` is a
-    delta pack that cannot be restored from there, or whose base chain uses ``source``.
+    delta pack that cannot be restored from there, or whose base chain uses ``source``
+    (``single``: the one file ``single`` in it, whose id ``source_id`` a level of the
+    chain then names: a copy elsewhere of the same id is not told apart, and kept).
 
     >>> import tempfile
     >>> _restores_without(open_store(tempfile.mkdtemp()), None, open_store(tempfile.mkdtemp()))
@@ -786,9 +960,11 @@ def _restores_without(final: Store, options: dict | None, source: Store) -> None
             if why:
                 raise Finding(final.url, f"not removing the source: the copy cannot be "
                               f"restored ({why})", code="MISSING_BASE")
+            named = ps.index.base["id"]
             ps = ps._base_store()
             opened.append(ps)
-            if _overlaps(getattr(ps, "raw", ps), source):
+            if (single is not None and named == source_id) or \
+                    (single is None and _overlaps(getattr(ps, "raw", ps), source)):
                 raise Finding(final.url, "not removing the source: the copy is a delta pack "
                               "made against it (promote again with --base none, or keep it)",
                               code="HAS_DEPENDANTS")
@@ -797,12 +973,19 @@ def _restores_without(final: Store, options: dict | None, source: Store) -> None
             store.close()
 
 
-def _delta_pack(src: str, options: dict | None) -> bool:
-    """Is ``src`` a delta pack (a pack with a base)? One listing, one small read."""
+def _one_process(src: str, options: dict | None) -> str | None:
+    """Why a promote of ``src`` runs in one process, or None (its files can be split over
+    torchrun/srun's): a delta pack is restored on its way to a plain place; a single-file
+    checkpoint is one file. One listing, one small read."""
     from ..formats.pack import is_pack, read_index
 
     store, files, single = locate(src, options)
-    return not single and is_pack(files) and read_index(store, files).base is not None
+    if single:
+        return "a single-file checkpoint is one file, sent by one process"
+    if is_pack(files) and read_index(store, files).base is not None:
+        return ("a delta pack is restored (unpacked) on its way to a plain place, which "
+                "runs in one process")
+    return None
 
 
 def _pack_route(sstore: Store, sfiles: dict[str, int], src: str, dst: str,
@@ -855,7 +1038,16 @@ def _base_from(dst: str, options: dict | None, index) -> str | None:
     return url
 
 
-def _overlaps(a: Store, b: Store) -> bool:
+def _overlaps(a: Store, b: Store, single: str | None = None) -> bool:
+    """Do the folders of stores ``a`` and ``b`` overlap (one is, or holds, the other)?
+    ``single``: ``a`` is the one file ``single`` in that folder, which overlaps ``b``
+    only as ``b`` itself or a folder holding it.
+
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp(); a, b = open_store(d), open_store(d + "/x")
+    >>> _overlaps(a, b), _overlaps(a, b, "a.pt"), _overlaps(a, a, "a.pt")
+    (True, False, True)
+    """
     if a.protocol != b.protocol or a.is_local != b.is_local:
         return False
     ra, rb = a.root.rstrip("/") + "/", b.root.rstrip("/") + "/"
@@ -863,4 +1055,6 @@ def _overlaps(a: Store, b: Store) -> bool:
         ra, rb = os.path.realpath(a.root) + "/", os.path.realpath(b.root) + "/"
     if not a.is_local and not a.same_server(b):
         return False
+    if single is not None:
+        return (ra + single + "/").startswith(rb)
     return ra.startswith(rb) or rb.startswith(ra)

@@ -6,7 +6,9 @@ and ``latest`` call the folder incomplete whatever it still holds: a half-delete
 shard set or composite folder has no marker of its own to lose), then the commit markers
 go (the manifest, then DCP ``.metadata`` / ``model.safetensors.index.json``), then the
 data (:meth:`~ckptctl.storage.Store.remove_many`: ordered, batched on S3), the pin and
-the writing marker last. Local folders left empty are removed.
+the writing marker last. Local folders left empty are removed. A single-file checkpoint
+(``train.pt``) goes the same way without a marker (its data is one delete): its sidecar
+manifest first, then the file, then its other sidecars (writing marker, pin).
 
 >>> from ckptctl.storage import open_store
 >>> r = remove_checkpoint(open_store("runs/step-100"))        # doctest: +SKIP
@@ -23,7 +25,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import CkptError, Finding, StorageError, UsageError
 from ..formats.dcp import METADATA
-from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest
+from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest, control_name
 from ..storage import Store
 from .ownership import check_removable
 
@@ -61,10 +63,10 @@ def deletion_order(files: dict[str, int]) -> list[str]:
     return sorted((rel for rel in files if rel != WRITING_MARKER), key=rank)
 
 
-def _pin_reason(store: Store) -> str:
+def _pin_reason(store: Store, pin: str = PIN_FILE) -> str:
     """What a pin says about itself, for a refusal message (one small read)."""
     try:
-        doc = json.loads(store.read(PIN_FILE))
+        doc = json.loads(store.read(pin))
         who, why = doc.get("by") or "?", doc.get("reason") or ""
         return f"pinned by {who}" + (f": {why}" if why else "")
     except (CkptError, ValueError, AttributeError):
@@ -74,8 +76,9 @@ def _pin_reason(store: Store) -> str:
 def remove_checkpoint(store: Store, files: dict[str, int] | None = None, *,
                       single: str | None = None, force_pinned: bool = False) -> RemoveResult:
     """Delete the checkpoint rooted at ``store`` (``files``: its listing when the caller
-    has one, else it is listed; ``single``: the one file of a lone-file checkpoint, which
-    goes in one delete). A pinned checkpoint is refused (exit 1) unless ``force_pinned``.
+    has one, else it is listed; ``single``: the one file of a lone-file checkpoint in
+    ``store``, removed with its sidecars: :func:`remove_single`). A pinned checkpoint is
+    refused (exit 1) unless ``force_pinned``.
 
     >>> import tempfile, pathlib
     >>> from ckptctl.storage import open_store
@@ -86,10 +89,7 @@ def remove_checkpoint(store: Store, files: dict[str, int] | None = None, *,
     (2, 5, False)
     """
     if single is not None:
-        size = (files or {}).get(single)
-        size = store.size(single) if size is None else size
-        store.remove(single)
-        return RemoveResult(store.display(single), 1, size)
+        return remove_single(store, single, files, force_pinned=force_pinned)
     if files is None:
         files = store.list_files()
     if not files:
@@ -109,8 +109,41 @@ def remove_checkpoint(store: Store, files: dict[str, int] | None = None, *,
     store.remove(WRITING_MARKER)
     if store.is_local:
         _remove_empty_folders(store, files)
-    content = {k: v for k, v in files.items() if k not in (PIN_FILE, WRITING_MARKER)}
+    from ..formats.manifest import is_control_file, is_temp_name
+
+    # num_files and bytes as every verb counts a checkpoint's (ops/vocabulary.counted_files):
+    # ckptctl's markers aside; rm took only a checkpoint that holds no file not its own
+    content = {k: v for k, v in files.items() if not is_control_file(k) and not is_temp_name(k)}
     return RemoveResult(store.url, len(content), sum(content.values()), pinned)
+
+
+def remove_single(store: Store, single: str, files: dict[str, int] | None = None, *,
+                  force_pinned: bool = False) -> RemoveResult:
+    """Delete the single-file checkpoint ``single`` in the folder ``store`` and its
+    sidecars (``files``: the file and its sidecars as the caller listed them; else looked
+    up): its manifest first (gone, and durable, before the data), then the file, then
+    its writing marker and pin. A pinned one is refused (exit 1) unless ``force_pinned``.
+
+    >>> import tempfile, pathlib
+    >>> from ckptctl.storage import open_store
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / "a.pt").write_bytes(b"data")
+    >>> _ = (d / "a.pt.ckptctl.manifest.json").write_bytes(b"{}")
+    >>> r = remove_single(open_store(str(d)), "a.pt")
+    >>> (r.num_files, r.bytes, sorted(p.name for p in d.iterdir()))
+    (1, 4, [])
+    """
+    from ..formats.locate import single_files
+
+    if files is None or single not in files:
+        files = single_files(store, single) or {single: store.size(single)}
+    pin = control_name(PIN_FILE, single)
+    pinned = pin in files
+    if pinned and not force_pinned:
+        raise Finding(store.display(single), f"{_pin_reason(store, pin)}; unpin it first "
+                      "(ckptctl unpin), or pass --force")
+    _remove_many(store, [control_name(MANIFEST, single)])  # the commit marker: first, alone
+    _remove_many(store, [single, control_name(WRITING_MARKER, single), pin])
+    return RemoveResult(store.display(single), 1, files[single], pinned)
 
 
 def _remove_many(store: Store, rels: list[str]) -> None:
@@ -172,15 +205,14 @@ def remove(url: str, storage_options: dict | None = None, *, force: bool = False
     if single is None and "" not in group_checkpoints(files):
         raise UsageError(f"{store.url}: not a checkpoint folder (rm removes one checkpoint; "
                          "`ckptctl ls` shows them, `ckptctl gc` removes many)")
-    man = None
-    if single is None:
-        try:
-            man = Manifest.read(store, files)
-        except StorageError:
-            raise
-        except CkptError:  # unreadable: no id, so nothing can depend on it
-            man = None
-    check_removable(store.url, store, files, man, single=single, storage_options=storage_options,
+    try:
+        man = Manifest.read(store, files, single)  # a lone file's: its sidecar
+    except StorageError:
+        raise
+    except CkptError:  # unreadable: no id, so nothing can depend on it
+        man = None
+    where = store.display(single) if single else store.url
+    check_removable(where, store, files, man, single=single, storage_options=storage_options,
                     dependants=not orphan_dependants,
                     instead="remove those first, or pass --orphan-dependants")
     return remove_checkpoint(store, files, single=single, force_pinned=force)

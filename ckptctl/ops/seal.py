@@ -7,6 +7,9 @@ The manifest is written last, atomically and exclusively: a concurrent sealer of
 content or another step loses cleanly (exit 1) instead of overwriting, and concurrent
 sealers of the same content with different tags all end up in one manifest
 (:func:`_publish`): tags are a set, and a seal that exits 0 has its tags stored.
+A single-file checkpoint (``train.pt``, ``model.safetensors``) is sealed the same way; its
+manifest is the sidecar beside it, ``train.pt.ckptctl.manifest.json``
+(:func:`~ckptctl.formats.manifest.control_name`).
 
 >>> r = seal("ckpt/", step=1200, tags=["release"])          # doctest: +SKIP
 >>> r.action, r.manifest_id                                 # doctest: +SKIP
@@ -25,10 +28,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .._deps import MissingDependencyError
-from ..errors import CkptError, Finding, FormatError, StorageError, UsageError
+from ..errors import CkptError, Finding, FormatError, StorageError
 from ..formats.detect import locate, open_checkpoint
-from ..formats.locate import refuse_save_folder
-from ..formats.manifest import MANIFEST, Manifest, is_control_file, is_temp_name
+from ..formats.locate import refuse_save_folder, split_file_url
+from ..formats.manifest import MANIFEST, Manifest, control_name, is_control_file, is_temp_name
 from ..storage import Store, digest_bytes, normalize_algo, open_store
 from .commit import commit, manifest_for
 from .verify import Problem, check_and_hash, verify
@@ -71,7 +74,8 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
          step: int | None = None, tags: list[str] | None = None, workers: int = 4,
          on_bytes: Callable[[int], None] | None = None,
          on_total: Callable[[int], None] | None = None, update: bool = False) -> SealResult:
-    """Hash every file and write ``ckptctl.manifest.json`` last.
+    """Hash every file and write ``ckptctl.manifest.json`` last (a single-file
+    checkpoint: ``FILE.ckptctl.manifest.json`` beside it).
 
     Raises :class:`~ckptctl.errors.Finding` (exit 1) if the checkpoint is incomplete or
     inconsistent, or if it is sealed and no longer matches its manifest.
@@ -91,15 +95,13 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
     located = locate(url, storage_options)
     refuse_save_folder(located, url, "seal")
     store, files, single = located
-    if single:
-        raise UsageError("seal takes a checkpoint folder (the manifest lives beside the "
-                         "files); put the file in its own folder", url)
+    mname = control_name(MANIFEST, single)
     # Listed once, opened once: the listing and the checkpoint are passed on, and small
     # remote files (.metadata, the manifest, small chunks) are fetched once and shared by
     # the metadata reader, verify and the hashes (S3: one LIST, one GET of .metadata).
     store.cache_small_files(files)
     replaces = None
-    if MANIFEST in files:
+    if mname in files:
         r = verify(url, storage_options, level="full", workers=workers, on_bytes=on_bytes,
                    located=located, uploads=False, on_total=on_total)
         if any(p.severity == "error" for p in r.problems):  # a stray temp file is no reason
@@ -107,13 +109,13 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
             raise Finding(p.path or url, f"already sealed, but {p.code}: {p.message}"
                           + (f" (+{len(r.problems) - 1} more)" if len(r.problems) > 1 else ""),
                           code=p.code)
-        doc = Manifest.read(store, files)
+        doc = Manifest.read(store, files, single)
         old = _update_plan(doc, files, hash=hash, step=step, tags=tags) if update else None
         if old is None:
             action = "verified"
             if not set(tags or []) <= set(doc.tags):  # seal --tag of a sealed checkpoint
                 doc = _publish(url, storage_options, dataclasses.replace(
-                    doc, tags=sorted(set(doc.tags) | set(tags))), first=False)
+                    doc, tags=sorted(set(doc.tags) | set(tags))), first=False, single=single)
                 action = "tagged"
             return SealResult(url, action, doc.id, doc.format, doc.step, doc.hash,
                               len(doc.files), doc.total_bytes,
@@ -122,7 +124,7 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
         algo, step, tags, known = old
         from .ownership import check_removable  # a new id strands the packs made on it
 
-        check_removable(url, store, files, doc, doing="reseal", algo=algo,
+        check_removable(url, store, files, doc, doing="reseal", algo=algo, single=single,
                         storage_options=storage_options)
         already = doc.total_bytes  # verify read them
         replaces = doc.id
@@ -132,8 +134,8 @@ def seal(url: str, storage_options: dict | None = None, *, hash: str | None = No
                          known=known, already=already, workers=workers, on_bytes=on_bytes,
                          on_total=on_total)
     stored = _publish(url, storage_options, man, replaces=replaces,
-                      first=MANIFEST not in files)
-    return SealResult(url, "updated" if MANIFEST in files else "sealed", stored.id,
+                      first=mname not in files, single=single)
+    return SealResult(url, "updated" if mname in files else "sealed", stored.id,
                       man.format, stored.step, algo, len(man.files), man.total_bytes,
                       round(time.monotonic() - t0, 3), tags=sorted(stored.tags))
 
@@ -155,9 +157,6 @@ def manifest_of(url: str, storage_options: dict | None = None, *, hash: str | No
     located = located or locate(url, storage_options)
     refuse_save_folder(located, url, "seal")
     store, files, single = located
-    if single:
-        raise UsageError("a lone file has no place for its manifest; put the file in its "
-                         "own folder", url)
     store.cache_small_files(files)
     return _hash_manifest(url, storage_options, located, algo=algo, step=step, tags=tags,
                           known={}, already=0, workers=workers, on_bytes=on_bytes,
@@ -181,11 +180,13 @@ def seal_or_hash(url: str, storage_options: dict | None = None, *,
     """
     if seal_source:
         seal(url, storage_options, workers=workers)
-        return Manifest.read(open_store(url, storage_options)), True
+        store, files, single = locate(url, storage_options)
+        return Manifest.read(store, files, single), True
+    located = located or locate(url, storage_options)
     man = manifest_of(url, storage_options, workers=workers, located=located)
     if seal_source is None:
         try:
-            return _publish(url, storage_options, man, first=True), True
+            return _publish(url, storage_options, man, first=True, single=located[2]), True
         except StorageError:  # the source does not take writes: it stays as it is
             pass
     return man, False
@@ -204,6 +205,8 @@ def _hash_manifest(url: str, storage_options, located, *, algo: str, step, tags,
         raise
     except CkptError:
         ck = None  # verify opens it again and reports what is wrong as a finding
+    if ck is not None:
+        ck = _as_verify_reads(url, storage_options, located, ck)
     names = sorted(rel for rel in files if not is_control_file(rel) and not is_temp_name(rel)
                    and rel not in known)  # known: proven against the manifest just now
     r, digests = check_and_hash(url, storage_options, algo=algo, names=names, workers=workers,
@@ -218,6 +221,17 @@ def _hash_manifest(url: str, storage_options, located, *, algo: str, step, tags,
             raise Finding(store.display(rel), "changed size while being sealed: is a writer "
                           "still running?", code="SIZE_MISMATCH")
     return manifest_for(ck, hashes, algo=algo, step=step, tags=tags)
+
+
+def _as_verify_reads(url: str, storage_options, located, ck):
+    """The checkpoint as ``verify`` opens it (its checks, and the logical digest the
+    manifest records): a lone torch.save zip is read without torch there (byte ranges of
+    its records); torch's safe loader has read it first (``ck``), so what that loader
+    refuses is never sealed. Anything else: ``ck`` itself."""
+    if not located[2] or ck.format != "torch":
+        return ck
+    return open_checkpoint(url, storage_options, strict=False, read_step=False,
+                           located=located, torch_free=True)
 
 
 def _refuse_problems(url: str, problems: list[Problem]) -> None:
@@ -264,20 +278,22 @@ def _merged(stored: Manifest | None, want: Manifest, replaces: str | None,
                   "other content or step; its manifest won", code="ALREADY_EXISTS")
 
 
-def _read_stored(store: Store) -> tuple[Manifest | None, str | None]:
-    """The stored manifest read fresh (never a cached copy), and its version."""
+def _read_stored(store: Store, name: str = MANIFEST) -> tuple[Manifest | None, str | None]:
+    """The stored manifest ``name`` read fresh (never a cached copy), and its version."""
     from ..storage.conditional import read_versioned
 
-    got = read_versioned(store, MANIFEST)
+    got = read_versioned(store, name)
     if got is None:
         return None, None
-    return Manifest.parse(got[0], store.display(MANIFEST)), got[1]
+    return Manifest.parse(got[0], store.display(name)), got[1]
 
 
 def _publish(url: str, storage_options: dict | None, want: Manifest, *,
-             replaces: str | None = None, first: bool = False) -> Manifest:
+             replaces: str | None = None, first: bool = False,
+             single: str | None = None) -> Manifest:
     """Commit ``want`` as the manifest at ``url`` so that no concurrent sealer's tags are
     lost; returns the manifest stored (``want``'s checkpoint with at least its tags).
+    ``single``: ``url`` names that one file; its manifest is the sidecar beside it.
 
     ``first``: the listing showed no manifest, so the one exclusive write of every commit
     (:func:`~ckptctl.ops.commit.commit`) goes first. When it finds one there (another
@@ -289,33 +305,36 @@ def _publish(url: str, storage_options: dict | None, want: Manifest, *,
     from ..storage.conditional import (create_if_absent, folder_lock, honours_conditions,
                                        replace_if)
 
-    store = open_store(url, storage_options)  # its own: no cached copy of the manifest
-    where = store.display(MANIFEST)
+    # its own store: no cached copy of the manifest
+    store = open_store(split_file_url(url)[0] if single else url, storage_options)
+    name = control_name(MANIFEST, single)
+    where = store.display(name)
     if not honours_conditions(store, f".ckptctl-probe-{uuid.uuid4().hex}.tmp"):
-        return _publish_unconditional(store, want, replaces)
+        return _publish_unconditional(store, want, replaces, name)
     if first:
         try:
-            commit(store, want)
+            commit(store, want, single=single)
             return want
         except Finding as e:
             if e.code != "ALREADY_EXISTS":
                 raise
     with folder_lock(store):
         for _ in range(ROUNDS):
-            stored, version = _read_stored(store)
+            stored, version = _read_stored(store, name)
             target = _merged(stored, want, replaces, where)
             if target is None:
                 return stored
             if stored is None:
-                create_if_absent(store, MANIFEST, target.to_bytes())
+                create_if_absent(store, name, target.to_bytes())
             else:
-                replace_if(store, MANIFEST, target.to_bytes(), version)
+                replace_if(store, name, target.to_bytes(), version)
             # and read again: what is stored now is the answer (ours, or a rival's to merge)
     raise Finding(where, "the manifest kept changing under other writers; rerun",
                   code="ALREADY_EXISTS")
 
 
-def _publish_unconditional(store: Store, want: Manifest, replaces: str | None) -> Manifest:
+def _publish_unconditional(store: Store, want: Manifest, replaces: str | None,
+                           name: str = MANIFEST) -> Manifest:
     """:func:`_publish` where writes cannot be conditional: each sealer first leaves an
     *intent* (``.ckptctl-seal-<random>-<pid>-<host>.tmp``), then in rounds lists the
     folder, reads the manifest, writes it with the union of its tags and the stored ones,
@@ -328,24 +347,24 @@ def _publish_unconditional(store: Store, want: Manifest, replaces: str | None) -
     compare-and-swap; a sealer that cannot finish exits 1, never 0 with its tags lost.
     Intents are only listed, never read (a read racing its removal hangs on rclone); one
     older than :data:`STALE_INTENT`, or of a dead process of this host, is a killed
-    sealer's: removed, ignored."""
-    where = store.display(MANIFEST)
+    sealer's: removed, ignored. ``name``: the manifest's (a single file's sidecar)."""
+    where = store.display(name)
     stale: set[str] = set()
     me = _put_intent(store, want)
     try:
         for attempt in range(INTENT_ROUNDS):
             top = store.list_files(recursive=False)
             try:
-                stored, _ = _read_stored(store) if MANIFEST in top else (None, None)
+                stored, _ = _read_stored(store, name) if name in top else (None, None)
             except FormatError:  # caught mid-write by another sealer: look again
                 time.sleep(min(0.05 * 1.3 ** attempt, 1.0))
                 continue
             target = _merged(stored, want, replaces, where)
             if target is not None:
-                store.write_atomic(MANIFEST, target.to_bytes())
+                store.write_atomic(name, target.to_bytes())
             live = _live_intents(store, store.list_files(recursive=False), me, stale)
             try:
-                back, _ = _read_stored(store)
+                back, _ = _read_stored(store, name)
             except FormatError:
                 continue
             if back is None or _merged(back, want, replaces, where) is not None:

@@ -1,6 +1,7 @@
 """What state a checkpoint is in, from ``verify --level quick``'s findings:
 
-* ``sealed``: a ckptctl manifest is present and every file it lists is there at its size;
+* ``sealed``: a ckptctl manifest is present (a single file's: beside it,
+  ``FILE.ckptctl.manifest.json``) and every file it lists is there at its size;
 * ``complete``: the format's own commit marker is there and parses (DCP ``.metadata``,
   safetensors headers, HF index), every data file it names is present and long enough;
 * ``incomplete``: the commit marker or a data file is missing (a write in progress, a crash),
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 
 from .._deps import MissingDependencyError
 from ..errors import UnsupportedFormatError
-from ..formats.manifest import MANIFEST
+from ..formats.manifest import MANIFEST, control_name
 from .verify import verify
 
 SEALED, COMPLETE, INCOMPLETE, CORRUPT = "sealed", "complete", "incomplete", "corrupt"
@@ -44,8 +45,9 @@ def checkpoint_state(url: str, storage_options: dict | None = None, *,
     >>> checkpoint_state("ckpt/step-100").state             # doctest: +SKIP
     'complete'
     """
-    if located is not None and MANIFEST in located[1]:  # read by verify and the reader: once
-        located[0].cache_small_files({MANIFEST: located[1][MANIFEST]})
+    name = control_name(MANIFEST, located[2]) if located is not None else MANIFEST
+    if located is not None and name in located[1]:  # read by verify and the reader: once
+        located[0].cache_small_files({name: located[1][name]})
     try:
         r = verify(url, storage_options, level="quick", located=located, uploads=False,
                    bases=bases)

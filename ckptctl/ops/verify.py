@@ -33,11 +33,12 @@ from ..formats import dcp
 from ..formats.detect import locate, open_checkpoint, resolve_step
 from ..formats.locate import refuse_save_folder
 from ..formats.megatron import INTEGRITY
-from ..formats.manifest import (MANIFEST, WRITING_MARKER, is_control_file, is_temp_name,
-                                read_manifest, writer_unfinished)
+from ..formats.manifest import (MANIFEST, WRITING_MARKER, control_name, is_control_file,
+                                is_temp_name, read_manifest, writer_unfinished)
 from ..model import Checkpoint, TensorEntry
 from ..storage import normalize_algo, open_store
 from .closure import classify, parse_parts
+from .vocabulary import counted_files
 
 LEVELS = ("quick", "structure", "full")
 #: Object entries up to this size are scanned for globals the safe loader refuses.
@@ -64,6 +65,19 @@ class Problem:
 
 @dataclass
 class VerifyResult:
+    """What verify found and what it read. ``ok`` is the verdict the exit status carries
+    (:meth:`judge`): no problem of severity ``error``, and with ``strict`` no warning
+    either (EXTRA_FILE, STRAY_TEMP, ORPHANED_UPLOAD: a README beside a checkpoint does not
+    fail a CI gate unless it asks). Counts are ``num_*`` as in every verb (README, "JSON
+    vocabulary"); ``files_checked``, ``files_read`` and ``tensors_checked`` are the older
+    names of three of them, still read and set.
+
+    >>> r = VerifyResult(True, "quick", "ck", "dcp", True,
+    ...                  problems=[Problem("EXTRA_FILE", "warning", "ck/NOTES.md", None, "x")])
+    >>> r.judge().ok, r.judge(strict=True).ok, r.num_warnings, r.num_errors
+    (True, False, 1, 0)
+    """
+
     ok: bool
     level: str
     url: str
@@ -71,9 +85,10 @@ class VerifyResult:
     sealed: bool
     step: int | None = None
     problems: list[Problem] = field(default_factory=list)
-    files_checked: int = 0
+    #: the checkpoint's files, as every verb counts them (ops/vocabulary.counted_files)
+    num_files: int = 0
     bytes_read: int = 0
-    tensors_checked: int = 0
+    num_tensors_checked: int = 0
     seconds: float = 0.0
     hash: str | None = None
     non_finite: dict[str, dict] = field(default_factory=dict)
@@ -81,13 +96,38 @@ class VerifyResult:
     #: (Megatron's SHA-256 manifest), "crc" (every zip record's CRC-32), "decoded-only" (no
     #: checksum in the format), or "crc+decoded-only"
     content: str | None = None
-    files_read: int = 0
+    #: files whose content the full level read (``--sample``: its share)
+    num_files_read: int = 0
+    #: warnings fail too (``verify --strict``)
+    strict: bool = False
+
+    @property
+    def num_errors(self) -> int:
+        return sum(p.severity == "error" for p in self.problems)
+
+    @property
+    def num_warnings(self) -> int:
+        return sum(p.severity != "error" for p in self.problems)
+
+    def judge(self, strict: bool | None = None) -> "VerifyResult":
+        """Set ``ok`` from the problems (and ``strict``, when given); returns self."""
+        if strict is not None:
+            self.strict = strict
+        self.ok = not self.num_errors and not (self.strict and self.num_warnings)
+        return self
+
+    files_checked = property(lambda self: self.num_files,
+                             lambda self, n: setattr(self, "num_files", n))
+    files_read = property(lambda self: self.num_files_read,
+                          lambda self, n: setattr(self, "num_files_read", n))
+    tensors_checked = property(lambda self: self.num_tensors_checked,
+                               lambda self, n: setattr(self, "num_tensors_checked", n))
 
     def to_dict(self) -> dict:
-        """The ``--json`` document: ``files_checked`` is ``num_files`` there, the word
-        every verb uses for a checkpoint's file count (README, "JSON vocabulary")."""
-        return {("num_files" if k == "files_checked" else k): v
-                for k, v in asdict(self).items()}
+        """The ``--json`` document, with ``num_errors`` and ``num_warnings``."""
+        doc = asdict(self)
+        doc.update(num_errors=self.num_errors, num_warnings=self.num_warnings)
+        return doc
 
 
 #: The ckptctl writers a writing marker can name (its ``command``'s first word) whose fix
@@ -108,12 +148,12 @@ _RESUME = {
 _MARKER_MAX = 64 << 10
 
 
-def unfinished_writer(store, files: dict[str, int]) -> str:
+def unfinished_writer(store, files: dict[str, int], single: str | None = None) -> str:
     """What verify says of a folder that a ckptctl writer holds (``.ckptctl-writing``):
     which command wrote it, by whom and since when, as its marker says (one small read),
     whether that writer still runs (this host only), and the fix that keeps the work done
     (:data:`_RESUME`): a promote resumes, a reshard or consolidate starts over with
-    --force.
+    --force. ``single``: the marker of that one file (``train.pt.ckptctl-writing``).
 
     >>> import json, tempfile
     >>> from ckptctl.storage import open_store
@@ -132,7 +172,7 @@ resume; --force replaces only such an unfinished write)
     a ckptctl writer did not finish: rerun with --force the command that wrote it, to start \
 it over (a promote: rerun it as it was, it resumes)
     """
-    doc = _marker_doc(store, files)
+    doc = _marker_doc(store, files, single)
     command = doc.get("command") if isinstance(doc.get("command"), str) else None
     verb = command.split()[0] if command and command.split() else None
     pid = f"pid {doc['pid']}" + (f" on {doc['host']}" if doc.get("host") else "") \
@@ -141,7 +181,7 @@ it over (a promote: rerun it as it was, it resumes)
                                 else "") if x)
     what = (_RESUME[verb][0] if verb in _RESUME else f"a `ckptctl {command}`" if verb
             else "a ckptctl writer") + (f" ({who})" if who else "")
-    if _still_running(store, doc):
+    if _still_running(store, doc, single):
         return f"{what} is still at work on it: wait for it to finish"
     if verb in _RESUME:
         return f"{what} {_RESUME[verb][1]}"
@@ -152,15 +192,16 @@ it over (a promote: rerun it as it was, it resumes)
             "it over (a promote: rerun it as it was, it resumes)")
 
 
-def _marker_doc(store, files: dict[str, int]) -> dict:
+def _marker_doc(store, files: dict[str, int], single: str | None = None) -> dict:
     """The writing marker's JSON (``{}`` when it is too large, unreadable or not a JSON
     object: a torn write says nothing); an I/O failure raises (exit 3)."""
     import json
 
-    if files.get(WRITING_MARKER, 0) > _MARKER_MAX:
+    name = control_name(WRITING_MARKER, single)
+    if files.get(name, 0) > _MARKER_MAX:
         return {}
     try:
-        doc = json.loads(store.read(WRITING_MARKER))
+        doc = json.loads(store.read(name))
     except StorageError:
         raise
     except (CkptError, ValueError):
@@ -168,7 +209,7 @@ def _marker_doc(store, files: dict[str, int]) -> dict:
     return doc if isinstance(doc, dict) else {}
 
 
-def _still_running(store, doc: dict) -> bool:
+def _still_running(store, doc: dict, single: str | None = None) -> bool:
     """Does the marker name a ckptctl process that still runs on this host (not this
     one: a writer that failed in this process has stopped)?"""
     import os
@@ -178,7 +219,7 @@ def _still_running(store, doc: dict) -> bool:
 
     if doc.get("host") != socket.gethostname() or doc.get("pid") == os.getpid():
         return False  # another host's cannot be checked from here; this process verifies
-    return live_writer(store) is not None
+    return live_writer(store, single) is not None
 
 
 def base_unrestorable(ps, storage_options: dict | None = None,
@@ -265,6 +306,7 @@ class _Checker:
         refuse_save_folder(located, self.url, "verify")
         store, files, single = located
         self.store, self.files = store, files
+        self.manifest_name = control_name(MANIFEST, single)  # a single file's: its sidecar
         from .ownership import is_control_temp
 
         for rel in files:
@@ -274,16 +316,17 @@ class _Checker:
         if self.uploads:
             self._orphaned_uploads(store)
         self._links_inside(store, files)
-        if not single and writer_unfinished(files):  # killed, or still writing: nothing to check
+        if writer_unfinished(files, single):  # killed, or still writing: nothing to check
             from ..formats.detect import detect_format
+            from ..formats.locate import file_format
 
-            self.add("NOT_COMMITTED", unfinished_writer(store, files),
-                     path=store.display(WRITING_MARKER))
-            self.result.format = detect_format(files)
+            self.add("NOT_COMMITTED", unfinished_writer(store, files, single),
+                     path=store.display(control_name(WRITING_MARKER, single)))
+            self.result.format = file_format(single) if single else detect_format(files)
             self.manifest = None
             return
-        try:
-            self.manifest = read_manifest(store, files) if not single else None
+        try:  # a single file's is the sidecar beside it (train.pt.ckptctl.manifest.json)
+            self.manifest = read_manifest(store, files, single)
         except StorageError:
             raise  # I/O: exit 3, not a finding about the checkpoint
         except CkptError as e:
@@ -303,6 +346,8 @@ class _Checker:
                 if rel not in mfiles and not is_control_file(rel) and not is_temp_name(rel):
                     self.add("EXTRA_FILE", "not listed in the manifest", path=store.display(rel),
                              severity="warning")
+        if single:  # its sidecars are no content: the files checked and read are the one
+            self.files = {rel: n for rel, n in files.items() if not is_control_file(rel)}
         try:
             # torch_free: a torch.save zip is checked from its records and their CRCs
             # (formats/torchfile.read_torch_zip), no import of torch
@@ -441,13 +486,13 @@ class _Checker:
             fmt = self.manifest.format
             if fmt and fmt != ck.format:
                 self.add("MANIFEST_MISMATCH", f"manifest says format {fmt}, files are {ck.format}",
-                         path=self.store.display(MANIFEST))
+                         path=self.store.display(self.manifest_name))
             from ..formats.manifest import logical_digest
 
             want = self.manifest.summary.get("logical_digest")
             if want and want != logical_digest(ck):
                 self.add("MANIFEST_MISMATCH", "the metadata describes other tensors than when "
-                         "sealed", path=self.store.display(MANIFEST))
+                         "sealed", path=self.store.display(self.manifest_name))
 
     def _tiling(self, t: TensorEntry):
         """Chunks must tile the tensor: in bounds, no gap, no overlap.
@@ -924,10 +969,11 @@ class _Checker:
                 self.seal_algo and any(p.severity == "error" for p in self.problems)):
             self.full()  # (a seal refused on its structure reads no data)
         r = self.result
-        r.files_checked = len([rel for rel in getattr(self, "files", {})
-                               if rel != MANIFEST and not is_temp_name(rel)])
+        r.num_files = len(counted_files(getattr(self, "files", {}),
+                                        getattr(self, "manifest", None),
+                                        store=getattr(self, "store", None)))
         r.problems = self.problems
-        r.ok = not self.problems
+        r.judge()
         r.bytes_read = (self.store.stats.bytes_read if hasattr(self, "store") else 0) \
             + getattr(self, "_other_bytes", 0)
         r.seconds = round(time.monotonic() - t0, 3)
@@ -1072,9 +1118,23 @@ class VerifyAllResult:
     checkpoints: list[CheckpointVerify] = field(default_factory=list)
     bytes_read: int = 0
     seconds: float = 0.0
+    strict: bool = False
+
+    def judge(self, strict: bool) -> "VerifyAllResult":
+        """Each checkpoint's verdict with warnings failing (``strict``) or not
+        (:meth:`VerifyResult.judge`; one that could not be read stays not ok); returns
+        self."""
+        self.strict = strict
+        for c in self.checkpoints:
+            if c.error is None:
+                c.result.judge(strict)
+            else:
+                c.result.strict = strict
+        self.ok = all(c.result.ok for c in self.checkpoints)
+        return self
 
     def to_dict(self) -> dict:
-        return {"ok": self.ok, "level": self.level, "url": self.url,
+        return {"ok": self.ok, "level": self.level, "url": self.url, "strict": self.strict,
                 "num_checkpoints": len(self.checkpoints),
                 "num_ok": sum(c.result.ok for c in self.checkpoints),
                 "checkpoints": [c.to_dict() for c in self.checkpoints],
