@@ -474,7 +474,9 @@ def test_verify_full_torchrun_gathers_findings(one_proc, tmp_path):
     assert p.returncode != 0  # torchrun: a worker (rank 0) exited 1
     docs = json_docs(p.stdout)
     got = docs[0]
-    assert ("HASH_MISMATCH", str(ck / "__1_0.distcp"), None) in _findings(got)
+    # the entry: what the format's own CRCs say the damaged bytes hold
+    assert ("HASH_MISMATCH", str(ck / "__1_0.distcp"), "model.tok_embeddings.weight") \
+        in _findings(got)
     assert _findings(got) == _findings(want)
     for key in ("ok", "num_files_read", "num_tensors_checked", "content", "bytes_read", "num_files"):
         assert got[key] == want[key], key
