@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import dcp_save, run_cli
+from conftest import run_cli
+from test_watch import _step
 
 from ckptctl.formats.manifest import MANIFEST, WRITING_MARKER, Manifest
 from ckptctl.formats.pack import PACK_INDEX, REROOT_SUFFIX, reroot_stage
@@ -116,16 +117,6 @@ class Tier:
                 self.restores(reroot_stage(url), s, out / f"staged-{s}")
 
 
-def _step(hot: Path, step: int) -> Path:
-    """A small real DCP checkpoint step-STEP in ``hot`` (values depend on the step)."""
-    import torch
-
-    g = torch.Generator().manual_seed(step)
-    sd = {"model": {"w": torch.randn(64, 32, generator=g), "b": torch.full((8,), float(step))},
-          "step": step}
-    p = hot / f"step-{step}"
-    dcp_save(p, sd)
-    return p
 
 
 def _files(folder: Path) -> dict[str, bytes]:

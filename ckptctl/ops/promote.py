@@ -391,15 +391,10 @@ def promote(src: str, dst: str, src_options: dict | None = None,
         d.discard_work()  # another source's leftovers: nothing there can be trusted
         journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
         present = {}
-    todo = [rel for rel in man.files
-            if journal.files.get(rel) != (man.files[rel].hash, man.files[rel].size)]
+    todo = _pending(result, journal, man)
     result.to_send = write_order(todo, {r: f.size for r, f in man.files.items()})
-    result.bytes_to_send = sum(journal.pending_bytes(r, man.files[r].size) for r in todo)
-    result.files_skipped = len(man.files) - len(todo)
     if dry_run:
-        result.action = "dry-run"
-        result.seconds = round(time.monotonic() - t0, 3)
-        return result
+        return _dry(result, t0)
     if on_total:
         on_total(man.total_bytes)
     if WRITING_MARKER not in present:
@@ -609,15 +604,9 @@ def _promote_single(sstore: Store, sfiles: dict[str, int], single: str, man: Man
                else Journal(None if dry_run else path, header, durable=not dstore.is_local))
     if state == "resume":
         _adopt_published(journal, present, man)
-    todo = [rel for rel in man.files
-            if journal.files.get(rel) != (man.files[rel].hash, man.files[rel].size)]
-    result.to_send = todo
-    result.bytes_to_send = sum(journal.pending_bytes(r, man.files[r].size) for r in todo)
-    result.files_skipped = len(man.files) - len(todo)
+    todo = result.to_send = _pending(result, journal, man)
     if dry_run:
-        result.action = "dry-run"
-        result.seconds = round(time.monotonic() - t0, 3)
-        return result
+        return _dry(result, t0)
     if on_total:
         on_total(man.total_bytes)
     if marker not in present:
@@ -702,6 +691,23 @@ def _abort_uploads(store: Store, rel: str) -> None:
     for up in multipart.list_uploads(store):
         if up.rel == rel:
             multipart.abort_upload(store, up.rel, up.upload_id)
+
+
+def _pending(result: PromoteResult, journal, man: Manifest) -> list[str]:
+    """The files of ``man`` the ``journal`` does not hold as sent (in manifest order),
+    with the bytes left to send and the files skipped counted into ``result``."""
+    todo = [rel for rel in man.files
+            if journal.files.get(rel) != (man.files[rel].hash, man.files[rel].size)]
+    result.bytes_to_send = sum(journal.pending_bytes(r, man.files[r].size) for r in todo)
+    result.files_skipped = len(man.files) - len(todo)
+    return todo
+
+
+def _dry(result: PromoteResult, t0: float) -> PromoteResult:
+    """``result`` as a dry run returns it: what a run would still send, nothing sent."""
+    result.action = "dry-run"
+    result.seconds = round(time.monotonic() - t0, 3)
+    return result
 
 
 def _finish(result: PromoteResult, sstore: Store, sfiles: dict[str, int], d: "_Destination",
