@@ -73,9 +73,16 @@ TYPED_STORAGE = {
 }
 
 
-class _Global:
-    """A module attribute written as a pickle GLOBAL without importing the module, so
-    ``data.pkl`` is written without importing torch."""
+class Global:
+    """A module attribute written as a pickle global without importing the module, so
+    ``data.pkl`` and DCP's ``.metadata`` are written without importing torch. Pickled as
+    Python pickles a class or function: ``GLOBAL`` (protocols 0-3) or the module and name
+    strings then ``STACK_GLOBAL`` (protocol 4 and up), memoized: one instance per global
+    makes its later uses memo references, as the real object's would be.
+
+    >>> ref_dumps(Global("collections", "OrderedDict"), 2)
+    b'\\x80\\x02ccollections\\nOrderedDict\\nq\\x00.'
+    """
 
     __slots__ = ("module", "name")
 
@@ -86,6 +93,40 @@ class _Global:
         raise TypeError(f"{self.module}.{self.name} is only a pickle reference")
 
 
+class Instance:
+    """An instance of class ``cls`` (a :class:`Global`) pickled as Python pickles a plain
+    class's instance at protocol 2 and up: ``cls``, an empty tuple, ``NEWOBJ``, then
+    ``state`` and ``BUILD`` (no ``BUILD`` when ``state`` is None: an instance with no
+    attributes).
+
+    >>> import argparse
+    >>> ref = Instance(Global("argparse", "Namespace"), {"a": 1})
+    >>> dumps4(ref) == pickle.dumps(argparse.Namespace(a=1), protocol=4)
+    True
+    """
+
+    __slots__ = ("cls", "state")
+
+    def __init__(self, cls: Global, state=None):
+        self.cls, self.state = cls, state
+
+
+class Reduced:
+    """``func(*args)`` pickled as ``REDUCE`` (what ``__reduce__`` returning ``(func,
+    args)`` gives), e.g. ``torch.Size([2, 3])``; ``func`` a :class:`Global`.
+
+    >>> import fractions
+    >>> ref = Reduced(Global("fractions", "Fraction"), ("1/3",))
+    >>> pickle.loads(dumps4(ref))
+    Fraction(1, 3)
+    """
+
+    __slots__ = ("func", "args")
+
+    def __init__(self, func: Global, args: tuple):
+        self.func, self.args = func, args
+
+
 class _StorageId:
     __slots__ = ("pid",)
 
@@ -93,38 +134,312 @@ class _StorageId:
         self.pid = pid
 
 
-class _StateDictPickler(pickle._Pickler):  # the Python pickler: its dispatch can be extended
-    """Pickles :class:`TensorRef` exactly the way ``torch.save`` pickles a tensor."""
+class RefPickler(pickle._Pickler):  # the Python pickler: its dispatch can be extended
+    """A pickler for object trees that stand in for classes it cannot import
+    (:class:`Global`, :class:`Instance`, :class:`Reduced`): the same opcodes, memo
+    included, as pickling the real objects would give.
+
+    >>> import argparse
+    >>> ref = Instance(Global("argparse", "Namespace"), {"a": 1})
+    >>> ref_dumps(ref, protocol=2) == pickle.dumps(argparse.Namespace(a=1), protocol=2)
+    True
+    """
 
     dispatch = pickle._Pickler.dispatch.copy()
 
-    def _save_global_ref(self, obj: _Global) -> None:
-        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+    def save(self, obj, save_persistent_id=True):
+        if isinstance(obj, Lazy):
+            obj = obj.expand()
+        super().save(obj, save_persistent_id)
+
+    def _save_global_ref(self, obj: Global) -> None:
+        if self.proto >= 4:
+            self.save(obj.module)
+            self.save(obj.name)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
         self.memoize(obj)
 
-    dispatch[_Global] = _save_global_ref
+    def _save_instance(self, obj: Instance) -> None:
+        self.save(obj.cls)
+        self.save(())
+        self.write(pickle.NEWOBJ)
+        self.memoize(obj)
+        if obj.state is not None:
+            self.save(obj.state)
+            self.write(pickle.BUILD)
+
+    def _save_reduced(self, obj: Reduced) -> None:
+        self.save(obj.func)
+        self.save(obj.args)
+        self.write(pickle.REDUCE)
+        self.memoize(obj)
+
+    dispatch[Global] = _save_global_ref
+    dispatch[Instance] = _save_instance
+    dispatch[Reduced] = _save_reduced
+
+
+def ref_dumps(obj, protocol: int) -> bytes:
+    """``pickle.dumps(obj, protocol)`` for a tree with :class:`RefPickler`'s stand-ins.
+
+    >>> od = Global("collections", "OrderedDict")
+    >>> ref_dumps([od, od], 3) == pickle.dumps([collections.OrderedDict] * 2, 3)
+    True
+    """
+    buf = io.BytesIO()
+    RefPickler(buf, protocol=protocol).dump(obj)
+    return buf.getvalue()
+
+
+_FRAME = 64 * 1024  # pickle's _FRAME_SIZE_TARGET: a frame ends at the first save past it
+TUPLE_OPS = (pickle.TUPLE1, pickle.TUPLE2, pickle.TUPLE3)
+_BININT1 = [pickle.BININT1 + bytes((i,)) for i in range(256)]
+
+
+def int_op(v: int) -> bytes:
+    """How pickle (protocol 2+) writes int ``v``.
+
+    >>> [int_op(v).hex() for v in (7, 300, -1, 2 ** 40)]
+    ['4b07', '4d2c01', '4affffffff', '8a06000000000001']
+    """
+    if 0 <= v < 256:
+        return _BININT1[v]
+    if 0 <= v < 65536:
+        return pickle.BININT2 + v.to_bytes(2, "little")
+    if -0x80000000 <= v <= 0x7FFFFFFF:
+        return pickle.BININT + v.to_bytes(4, "little", signed=True)
+    enc = pickle.encode_long(v)
+    if len(enc) >= 256:
+        raise _Unsupported
+    return pickle.LONG1 + bytes((len(enc),)) + enc
+
+
+def get_op(i: int) -> bytes:
+    """A memo reference to entry ``i``.
+
+    >>> get_op(3), get_op(256)
+    (b'h\\x03', b'j\\x00\\x01\\x00\\x00')
+    """
+    return pickle.BINGET + bytes((i,)) if i < 256 else pickle.LONG_BINGET + struct.pack("<I", i)
+
+
+class _Unsupported(Exception):
+    """A value :class:`Pickle4` leaves to :class:`RefPickler`."""
+
+
+class Lazy:
+    """A stand-in pickled by the hundred thousand (a DCP chunk's metadata): ``emit``
+    writes its bytes into a :class:`Pickle4` straight from its fields (False to decline:
+    a class it names is not in the memo yet, or a frame could end inside it), ``expand``
+    gives the stand-in tree that any pickler writes the slow way, to the same bytes
+    (:class:`~ckptctl.formats.dcp_write.ChunkMeta`).
+
+    >>> from ckptctl.formats.dcp_write import ChunkMeta
+    >>> chunks = [ChunkMeta((0,), (2,)), ChunkMeta((2,), (2,))]
+    >>> dumps4(chunks) == ref_dumps([c.expand() for c in chunks], 4)
+    True
+    """
+
+    __slots__ = ()
+
+    def emit(self, p: "Pickle4") -> bool:
+        return False
+
+    def expand(self):
+        raise NotImplementedError
+
+
+class Pickle4:
+    """``pickle.dumps(obj, protocol=4)`` for plain data (str, int, float, bool, None,
+    tuple, list, dict) and stand-ins (:class:`Global`, :class:`Instance`,
+    :class:`Reduced`, :class:`Lazy`), byte for byte (frames and memo included), several
+    times faster than Python's own pickler: a 300,000-chunk DCP ``.metadata`` is 40 MB.
+    Anything else is left to :class:`RefPickler` (:func:`dumps4`).
+
+    >>> Pickle4().dump({"a": [1, ("b", None)], "c": 2.5}) == pickle.dumps(
+    ...     {"a": [1, ("b", None)], "c": 2.5}, protocol=4)
+    True
+    """
+
+    def __init__(self):
+        self.done = bytearray()  # the stream up to the frame being filled
+        self.cur = bytearray()  # that frame
+        self.memo: dict[int, int] = {}  # id(obj) -> memo index
+        self.n = 0  # memo entries so far (a Lazy's own objects are counted, not kept)
+        self.keep: list = []  # what the memo names stays alive (ids stay unique)
+        self._ops: dict[int, bytes] = {}  # memo index -> its reference, for Lazy.emit
+
+    def dump(self, obj) -> bytes:
+        self.done += pickle.PROTO + b"\x04"
+        self.save(obj)
+        self.cur += pickle.STOP
+        self._commit()
+        return bytes(self.done)
+
+    def _commit(self) -> None:
+        cur = self.cur
+        if len(cur) >= 4:  # pickle's _FRAME_SIZE_MIN
+            self.done += pickle.FRAME + struct.pack("<Q", len(cur))
+        self.done += cur
+        cur.clear()
+
+    def _memoize(self, obj) -> None:
+        self.memo[id(obj)] = self.n
+        self.n += 1
+        self.keep.append(obj)
+        self.cur += pickle.MEMOIZE
+
+    def ref(self, obj) -> bytes | None:
+        """The memo reference to ``obj``, or None when it was not pickled yet."""
+        i = self.memo.get(id(obj))
+        if i is None:
+            return None
+        op = self._ops.get(i)
+        if op is None:
+            op = self._ops[i] = get_op(i)
+        return op
+
+    def put(self, data: bytes, fresh: int) -> bool:
+        """Write ``data`` (one object's opcodes, ``fresh`` of them ``MEMOIZE`` of objects
+        nothing refers to again) unless a frame would end inside it: pickle ends a frame
+        at the first object that starts past 64 KiB."""
+        if len(self.cur) + len(data) > _FRAME:
+            return False
+        self.cur += data
+        self.n += fresh
+        return True
+
+    def save(self, obj) -> None:
+        cur = self.cur
+        if len(cur) >= _FRAME:
+            self._commit()
+        t = type(obj)
+        if t is int:
+            cur += int_op(obj)
+            return
+        if obj is None or t is bool:
+            cur += pickle.NONE if obj is None else pickle.NEWTRUE if obj else pickle.NEWFALSE
+            return
+        i = self.memo.get(id(obj))
+        if i is not None:
+            cur += get_op(i)
+        elif t is str:
+            self._save_str(obj)
+        elif t is tuple:
+            self._save_tuple(obj)
+        elif isinstance(obj, Lazy):
+            if not obj.emit(self):
+                self.save(obj.expand())
+        elif t is Instance:
+            self.save(obj.cls)
+            self.save(())
+            cur += pickle.NEWOBJ
+            self._memoize(obj)
+            if obj.state is not None:
+                self.save(obj.state)
+                cur += pickle.BUILD
+        elif t is Reduced:
+            self.save(obj.func)
+            self.save(obj.args)
+            cur += pickle.REDUCE
+            self._memoize(obj)
+        elif t is dict:
+            cur += pickle.EMPTY_DICT
+            self._memoize(obj)
+            self._batch(list(obj.items()), pickle.SETITEMS, pickle.SETITEM)
+        elif t is list:
+            cur += pickle.EMPTY_LIST
+            self._memoize(obj)
+            self._batch(obj, pickle.APPENDS, pickle.APPEND)
+        elif t is Global:
+            self.save(obj.module)
+            self.save(obj.name)
+            cur += pickle.STACK_GLOBAL
+            self._memoize(obj)
+        elif t is float:
+            cur += pickle.BINFLOAT + struct.pack(">d", obj)
+        else:
+            raise _Unsupported
+
+    def _save_str(self, obj: str) -> None:
+        enc = obj.encode("utf-8", "surrogatepass")
+        if len(enc) < 256:
+            self.cur += pickle.SHORT_BINUNICODE + bytes((len(enc),)) + enc
+        elif len(enc) < _FRAME:
+            self.cur += pickle.BINUNICODE + struct.pack("<I", len(enc)) + enc
+        else:  # written outside the frames: RefPickler does that
+            raise _Unsupported
+        self._memoize(obj)
+
+    def _save_tuple(self, obj: tuple) -> None:
+        n = len(obj)
+        if not n:
+            self.cur += pickle.EMPTY_TUPLE  # a singleton: never memoized
+            return
+        if n > 3:
+            self.cur += pickle.MARK
+        for x in obj:
+            self.save(x)
+        self.cur += TUPLE_OPS[n - 1] if n <= 3 else pickle.TUPLE
+        self._memoize(obj)
+
+    def _batch(self, items: list, many: bytes, one: bytes) -> None:
+        """List items or dict (key, value) pairs, by 1000 (pickle's _BATCHSIZE)."""
+        pairs = one == pickle.SETITEM
+        for at in range(0, len(items), 1000):
+            batch = items[at:at + 1000]
+            if len(batch) > 1:
+                self.cur += pickle.MARK
+            for x in batch:
+                if pairs:
+                    self.save(x[0])
+                    self.save(x[1])
+                else:
+                    self.save(x)
+            self.cur += many if len(batch) > 1 else one
+
+
+def dumps4(obj) -> bytes:
+    """``pickle.dumps(obj, protocol=4)`` of a tree with stand-ins (:class:`Pickle4`,
+    or :class:`RefPickler` for what it leaves out).
+
+    >>> dumps4(("x" * 300, 2 ** 70)) == pickle.dumps(("x" * 300, 2 ** 70), protocol=4)
+    True
+    """
+    try:
+        return Pickle4().dump(obj)
+    except _Unsupported:
+        return ref_dumps(obj, protocol=4)
+
+
+class _StateDictPickler(RefPickler):
+    """Pickles :class:`TensorRef` exactly the way ``torch.save`` pickles a tensor."""
+
+    dispatch = RefPickler.dispatch.copy()
 
     def persistent_id(self, obj):
         return obj.pid if isinstance(obj, _StorageId) else None
 
     def reducer_override(self, obj):
         if isinstance(obj, TorchSize):
-            return (_Global("torch", "Size"), (list(obj),))
+            return (Global("torch", "Size"), (list(obj),))
         if not isinstance(obj, TensorRef):
             return NotImplemented
         stride = _strides(obj.shape)
         hooks = collections.OrderedDict()
         typed = TYPED_STORAGE.get(obj.dtype)
         if typed is not None:
-            pid = ("storage", _Global("torch", typed), obj.key, "cpu", obj.numel)
-            return (_Global("torch._utils", "_rebuild_tensor_v2"),
+            pid = ("storage", Global("torch", typed), obj.key, "cpu", obj.numel)
+            return (Global("torch._utils", "_rebuild_tensor_v2"),
                     (_StorageId(pid), 0, obj.shape, stride, False, hooks))
         from ..model import DTYPES
 
         nbytes = DTYPES[obj.dtype].nbytes(obj.numel)
-        pid = ("storage", _Global("torch.storage", "UntypedStorage"), obj.key, "cpu", nbytes)
-        return (_Global("torch._utils", "_rebuild_tensor_v3"),
-                (_StorageId(pid), 0, obj.shape, stride, False, hooks, _Global("torch", obj.dtype)))
+        pid = ("storage", Global("torch.storage", "UntypedStorage"), obj.key, "cpu", nbytes)
+        return (Global("torch._utils", "_rebuild_tensor_v3"),
+                (_StorageId(pid), 0, obj.shape, stride, False, hooks, Global("torch", obj.dtype)))
 
 
 def lift_tensors(value, keys: Iterable[str]):
