@@ -279,7 +279,7 @@ def test_watch_killed_and_s3_restarted_during_training(tmp_path):
         # back on the same data under another port, the config follows, watch restarts
         time.sleep(1.0)
         run.srv.kill()
-        end = time.monotonic() + 60
+        end = time.monotonic() + 180  # a bound for a loaded machine, not an expectation
         while not any(e["event"] == "failed" and e["tier"] == "cold"
                       for e in _events(tmp_path)):
             assert time.monotonic() < end, "watch never met the S3 server down"
@@ -296,8 +296,9 @@ def test_watch_killed_and_s3_restarted_during_training(tmp_path):
         assert train.returncode == 0, err
         assert out.split() == [w for n in ALL for w in ("saved", n)]
         train_end = time.time()
-        # failures met while S3 was down are retried after their backoff (30 s)
-        run.finish(train_end, timeout=120)
+        # failures met while S3 was down are retried after their backoff (30 s); the
+        # bound leaves room for a loaded machine (a helper's run under load once missed 120 s)
+        run.finish(train_end, timeout=300)
         events = _events(tmp_path)
         assert watch.starts == 6
         assert any(e["event"] == "failed" and e["tier"] == "cold" for e in events), events
