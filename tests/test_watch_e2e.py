@@ -297,7 +297,7 @@ def test_watch_killed_and_s3_restarted_during_training(tmp_path):
         assert out.split() == [w for n in ALL for w in ("saved", n)]
         train_end = time.time()
         # failures met while S3 was down are retried after their backoff (30 s); the
-        # bound leaves room for a loaded machine (120 s once failed beside four test sessions)
+        # bound leaves room for a loaded machine (this run failed once beside four test sessions)
         run.finish(train_end, timeout=300)
         events = _events(tmp_path)
         assert watch.starts == 6
