@@ -169,6 +169,22 @@ def test_promote_refuses_a_file_it_did_not_write_and_resumes_its_own(tmp_path):
     assert verify(str(warm / "train.pt"), level="full").ok
 
 
+def test_promote_never_puts_a_file_into_a_checkpoint_folder(tmp_path, torch_ckpts):
+    """A sealed DCP folder given as DST would hold a file its manifest does not list,
+    and its row would swallow the copy: refused, nothing written there."""
+    from fixtures_torch import copy_ckpt
+
+    f = _torch_file(tmp_path / "hot" / "train.pt")
+    ck = copy_ckpt(torch_ckpts["fsdp"], tmp_path / "warm" / "step-20")
+    seal(str(ck))
+    before = sorted(p.name for p in ck.iterdir())
+    with pytest.raises(Finding, match="checkpoint of its own") as e:
+        promote(str(f), str(ck) + "/")
+    assert e.value.code == "ALREADY_EXISTS"
+    assert sorted(p.name for p in ck.iterdir()) == before
+    assert promote(str(f), str(tmp_path / "warm") + "/").action == "promoted"  # beside it
+
+
 def test_promote_delete_source_removes_the_file_and_its_sidecars(tmp_path):
     f = _torch_file(tmp_path / "hot" / "train.pt")
     seal(str(f))

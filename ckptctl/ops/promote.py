@@ -678,7 +678,33 @@ def _single_state(dstore: Store, name: str, man: Manifest) -> tuple[str, dict[st
         raise Finding(where, "destination exists and is no copy of this checkpoint (no "
                       "manifest beside it); remove it first or choose another place",
                       code="ALREADY_EXISTS")
+    _refuse_checkpoint_folder(dstore, where)
     return "fresh", present
+
+
+def _refuse_checkpoint_folder(dstore: Store, where: str) -> None:
+    """A single file is never copied into a folder that is a checkpoint of its own (a
+    sealed DCP folder would then hold a file its manifest does not list, and its row
+    would swallow the copy): Finding ``ALREADY_EXISTS`` (exit 1). One listing of the
+    folder's top.
+
+    >>> import tempfile, pathlib; from ckptctl.storage import open_store
+    >>> d = pathlib.Path(tempfile.mkdtemp()); _ = (d / ".metadata").write_bytes(b"x")
+    >>> _refuse_checkpoint_folder(open_store(str(d)), "x/train.pt")
+    Traceback (most recent call last):
+    ckptctl.errors.Finding: x/train.pt: the destination folder is a checkpoint of its own; promote the file beside it, not into it
+    """
+    from ..formats.detect import group_checkpoints
+
+    from ..errors import NotFoundError
+
+    try:
+        top = dstore.list_files(recursive=False)
+    except NotFoundError:
+        return  # nothing there yet
+    if "" in group_checkpoints(top) or MANIFEST in top or WRITING_MARKER in top:
+        raise Finding(where, "the destination folder is a checkpoint of its own; promote "
+                      "the file beside it, not into it", code="ALREADY_EXISTS")
 
 
 def _abort_uploads(store: Store, rel: str) -> None:
