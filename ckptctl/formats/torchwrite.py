@@ -116,8 +116,9 @@ class Reduced:
     args)`` gives), e.g. ``torch.Size([2, 3])``; ``func`` a :class:`Global`.
 
     >>> import fractions
+    >>> from ckptctl.formats.safe_pickle import restricted_loads
     >>> ref = Reduced(Global("fractions", "Fraction"), ("1/3",))
-    >>> pickle.loads(dumps4(ref))
+    >>> restricted_loads(dumps4(ref), {("fractions", "Fraction"): fractions.Fraction})
     Fraction(1, 3)
     """
 

@@ -115,10 +115,12 @@ def split_owned(files: dict[str, int], manifest: Manifest | None = None, *,
 
 
 def refuse_foreign(url: str, files: dict[str, int], manifest: Manifest | None = None, *,
-                   single: str | None = None, doing: str = "remove") -> dict[str, int]:
+                   single: str | None = None, doing: str = "remove",
+                   advice: str | None = None) -> dict[str, int]:
     """The owned files of the checkpoint at ``url``, or :class:`~ckptctl.errors.Finding`
     (exit 1, ``FOREIGN_FILES``) naming the files that are not its own: a removal never
-    takes what it cannot recognise.
+    takes what it cannot recognise, and a seal by watch never adopts it. ``advice``: what
+    the message tells to do instead (default: move them away before you ``doing`` it).
 
     >>> refuse_foreign("run/step-10", {".metadata": 1, "NOTES.md": 3})
     Traceback (most recent call last):
@@ -127,7 +129,8 @@ def refuse_foreign(url: str, files: dict[str, int], manifest: Manifest | None = 
     owned, foreign = split_owned(files, manifest, single=single)
     if foreign:
         raise Finding(url, f"holds files that are not the checkpoint's ({foreign_list(foreign)})"
-                      f"; move them away before you {doing} it", code="FOREIGN_FILES")
+                      f"; {advice or f'move them away before you {doing} it'}",
+                      code="FOREIGN_FILES")
     return owned
 
 

@@ -1092,24 +1092,20 @@ def refuse_adopting(url: str, storage_options: dict | None = None,
                     located: tuple | None = None) -> None:
     """A seal by watch adopts nothing its checkpoint's format does not name: a
     :class:`~ckptctl.errors.Finding` (``FOREIGN_FILES``) naming the other files of the
-    checkpoint at ``url`` (the ownership ``rm`` and ``gc`` judge by,
-    :func:`~.ownership.split_owned`), whose manifest would otherwise own them, and whose
+    checkpoint at ``url`` (the check ``rm`` makes, :func:`~.ownership.refuse_foreign`),
+    whose manifest would otherwise own them, and whose
     trims would take them from every tier. ``located``: its listing, when ``ls`` has it.
 
     >>> refuse_adopting("hot/step-1", None, (None, {".metadata": 1, "NOTES.md": 3}, None))
     Traceback (most recent call last):
-    ckptctl.errors.Finding: hot/step-1: holds NOTES.md, which its format does not name: seal it by hand to adopt it (ckptctl seal hot/step-1), or move it away
+    ckptctl.errors.Finding: hot/step-1: holds files that are not the checkpoint's (NOTES.md); seal it by hand to adopt them (ckptctl seal hot/step-1), or move them away
     """
     from ..formats.detect import locate
-    from .ownership import foreign_list, split_owned
+    from .ownership import refuse_foreign
 
     _store, files, single = located or locate(url, storage_options)
-    foreign = split_owned(files, single=single)[1]
-    if foreign:
-        it = "them" if len(foreign) > 1 else "it"
-        raise Finding(url, f"holds {foreign_list(foreign)}, which its format does not name: "
-                      f"seal it by hand to adopt {it} (ckptctl seal {url}), or move {it} "
-                      "away", code="FOREIGN_FILES")
+    refuse_foreign(url, files, single=single, advice=f"seal it by hand to adopt them "
+                   f"(ckptctl seal {url}), or move them away")
 
 
 def _newest(rows: dict) -> str | None:
