@@ -52,7 +52,7 @@ def bare_casts() -> None:
     (whose speed swings with whether malloc hands it fresh pages: best of 20 shown)."""
     import numpy as np
 
-    from ckptctl.ops.copier import dtype_converter
+    from ckptctl.convert.copier import dtype_converter
 
     rng = np.random.default_rng(0)
     names = {"float32": np.float32, "float64": np.float64, "float16": np.float16}

@@ -48,7 +48,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (GB, ROOT, Series, ckptctl_exe, load_average, machine_facts,  # noqa: E402
                     measure, median, remove, run_rounds, table, tool_version, write_section)
-from ckptctl.ops.reshard import parse_size  # noqa: E402
+from ckptctl.convert.reshard import parse_size  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MiB = 1 << 20

@@ -61,7 +61,7 @@ from common import (GB, ROOT, Series, ckptctl_exe, load_average, machine_facts, 
 from consolidate_bench import RSS_SLACK_MB, _torch_version, files_under, tree_bytes  # noqa: E402
 from make_dcp import IN_FEATURES, layer_dims  # noqa: E402
 
-from ckptctl.ops.reshard import parse_size  # noqa: E402
+from ckptctl.convert.reshard import parse_size  # noqa: E402
 
 MiB = 1 << 20
 TAG = "global_step1"

@@ -64,9 +64,9 @@ def make_template(out: Path) -> Path:
     """``out/dcp`` (a sealed two-file DCP checkpoint without a ``step`` entry: steps come
     from names and manifests), ``out/pack`` (a pack of it) and ``out/pin`` (a pin file's
     bytes). Returns ``out``."""
-    from ckptctl.ops.pack import pack
-    from ckptctl.ops.pins import pin
-    from ckptctl.ops.seal import seal
+    from ckptctl.packs.pack import pack
+    from ckptctl.tiering.pins import pin
+    from ckptctl.integrity.seal import seal
 
     out.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-c", _TEMPLATE_SCRIPT, str(out)], check=True)

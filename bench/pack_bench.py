@@ -34,7 +34,7 @@ Per data set, round-robin, ``--reps`` times each (medians):
 * ``zstd -3 -T<workers>`` per file (the zstd CLI; python ``zstandard`` level 3 per file when
   no CLI is found), then ``sync`` of the outputs; ``zstd -d`` per file, then ``sync``;
 * zipnn 0.5.4 (``threads=<workers>``) in a subprocess on the same tensors ckptctl sees
-  (``ckptctl.ops.pack.tensor_spans``: float tensors of at least 4 KiB; the bytes between
+  (``ckptctl.packs.pack.tensor_spans``: float tensors of at least 4 KiB; the bytes between
   them and other tensors with ``zstandard`` level 3, so every byte of every file is stored):
   each file read, compressed (zipnn gets a copy: its ``compress()`` overwrites its input)
   and written with ``fsync``; then decompressed and written back with ``fsync``;
@@ -274,8 +274,8 @@ print(f"finetune: {tr} of {sum(p.numel() for p in model.parameters())} parameter
 '''
 
 PRELOAD = ("import importlib, sys, numpy, zstandard, xxhash, fsspec\n"
-           "for m in ('ckptctl.ops.pack', 'ckptctl.formats.pack', 'ckptctl.formats.packcodec', "
-           "'ckptctl.formats.detect', 'ckptctl.ops.output', 'ckptctl.ops.seal'):\n"
+           "for m in ('ckptctl.packs.pack', 'ckptctl.formats.pack', 'ckptctl.formats.packcodec', "
+           "'ckptctl.formats.detect', 'ckptctl.writing.output', 'ckptctl.integrity.seal'):\n"
            "    importlib.import_module(m)\n"
            "from ckptctl.cli.main import main\n"
            "sys.argv[0] = 'ckptctl'\n"
@@ -345,7 +345,7 @@ and seconds summed over the worker threads for the per-chunk work. One run each,
 against the peers. Prints one JSON line."""
 import functools, importlib, json, os, shutil, sys, threading, time
 import numpy, xxhash, zstandard  # imported before timing: a CLI run pays them at start-up
-P = importlib.import_module("ckptctl.ops.pack")
+P = importlib.import_module("ckptctl.packs.pack")
 D = importlib.import_module("ckptctl.formats.detect")
 FP = importlib.import_module("ckptctl.formats.pack")
 C = importlib.import_module("ckptctl.formats.packcodec")
@@ -477,7 +477,7 @@ def build_sets(a, cache: Path, log) -> dict:
 def zipnn_spans(src: Path) -> list[dict]:
     """The float tensors ckptctl's packer sees, per file, for the zipnn driver."""
     from ckptctl.formats.detect import open_checkpoint
-    from ckptctl.ops.pack import tensor_spans
+    from ckptctl.packs.pack import tensor_spans
 
     ck = open_checkpoint(str(src), read_step=False)
     names = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -496,7 +496,7 @@ def breakdown(src: Path, pack: Path) -> dict[str, list[int]]:
     and the source's tensor names (weights unchanged / changed against the base, Adam's
     moments, other tensors, the bytes no tensor covers)."""
     from ckptctl.formats.detect import open_checkpoint
-    from ckptctl.ops.pack import tensor_spans
+    from ckptctl.packs.pack import tensor_spans
 
     ck = open_checkpoint(str(src), read_step=False)
     files = {p.relative_to(src).as_posix(): p.stat().st_size for p in files_of(src)}

@@ -97,7 +97,7 @@ def run_one(mode: str, rep: int, work: Path, srv, a, log) -> dict:
         train_end = time.time()
         out.update(json.loads(stats.read_text()))
         if watch is not None:
-            from ckptctl.ops.ls import iso_utc
+            from ckptctl.catalog.ls import iso_utc
 
             since, end = iso_utc(train_end + 1), time.monotonic() + a.drain_timeout
             while True:

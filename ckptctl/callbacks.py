@@ -18,7 +18,7 @@ import os
 from ._deps import MissingDependencyError
 from .errors import UsageError
 from .formats.manifest import CONTROL_FILES, MANIFEST
-from .ops.seal import SealResult, seal
+from .integrity.seal import SealResult, seal
 
 
 def seal_saved(folder: str, *, step: int | None = None, tags: list[str] | None = None,
@@ -40,7 +40,7 @@ def first_tier(watch: str | None) -> str | None:
     """
     if watch is None:
         return None
-    from .config import load_config
+    from .tiering.config import load_config
 
     tiers = load_config(os.fspath(watch)).tiers
     if not tiers:

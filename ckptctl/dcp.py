@@ -4,7 +4,7 @@
 writer) with every file hashed while DCP writes it: no byte is read back. Each rank
 hashes its own files and hands the hashes to the coordinator inside the write results
 DCP gathers; there, right after ``.metadata``, the ckptctl manifest is committed
-(:func:`~ckptctl.ops.commit.commit`), the same one ``ckptctl seal`` would write.
+(:func:`~ckptctl.writing.commit.commit`), the same one ``ckptctl seal`` would write.
 
 Nothing ``seal`` would refuse is sealed: each rank scans the object entries it writes
 with the safe-pickle scan ``seal`` and ``verify`` make
@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
 from .errors import CkptError, Finding, UnsafeInputError, UsageError  # noqa: E402
 from .formats.detect import open_checkpoint  # noqa: E402
 from .formats.manifest import MANIFEST  # noqa: E402
-from .ops.commit import commit, manifest_for  # noqa: E402
+from .writing.commit import commit, manifest_for  # noqa: E402
 from .storage import HashingWriter, normalize_algo, open_store  # noqa: E402
 
 #: The fqn prefix of the extra write results that carry one file's (digest, size) from

@@ -2,7 +2,7 @@
 meta, and DeepSpeed's ``module16``: the module's own 16-bit weights beside the fp32
 master weights of ``model``) and which part an entry belongs to, from its name alone. A leaf: layout's presets
 place only model and optimizer entries, ops report state closure with it
-(:mod:`ckptctl.ops.closure`).
+(:mod:`ckptctl.catalog.closure`).
 
 >>> [classify(n) for n in ("model.layers.0.wq.weight", "optim.state.w.step", "epoch", "rng.cpu",
 ...  "module16.lin.weight")]

@@ -79,7 +79,7 @@ def test_planner_pieces_tile_every_target_box(rows, cols, src_parts, dst_parts, 
     (cut with intersect) rebuild each target box exactly."""
     from ckptctl.layout import chunk_span, parse_mesh, preset
     from ckptctl.model import DTYPES, Checkpoint, Chunk, Extent, TensorEntry
-    from ckptctl.ops.planner import make_plan
+    from ckptctl.convert.planner import make_plan
 
     chunks = []
     for i in range(src_parts):

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl.config import (Config, Tier, find_config, load_config, loads, mask_secrets,
+from ckptctl.tiering.config import (Config, Tier, find_config, load_config, loads, mask_secrets,
                             merge_options, resolve)
 from ckptctl.errors import UsageError
 
@@ -161,7 +161,7 @@ def test_bad_config_is_one_line_exit_2_naming_file_and_key(cli, tmp_path, text, 
 
 
 def test_bad_keep_values_are_refused_by_the_policy_words(tmp_path):
-    pytest.importorskip("ckptctl.ops.policy", reason="helper G's policy module not there yet")
+    pytest.importorskip("ckptctl.tiering.policy", reason="helper G's policy module not there yet")
     f = tmp_path / "t.toml"
     for keep, says in (('{ within = "soon" }', "keep: not a duration: 'soon'"),
                        ("{ last = -1 }", "keep last must be a positive whole number")):

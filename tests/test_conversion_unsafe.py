@@ -200,8 +200,8 @@ def test_the_writer_itself_never_carries_a_refused_object(hostile, tmp_path):
     from ckptctl.errors import Finding
     from ckptctl.formats import open_checkpoint
     from ckptctl.layout import parse_mesh, preset
-    from ckptctl.ops.copier import copy_to_dcp
-    from ckptctl.ops.planner import make_plan
+    from ckptctl.convert.copier import copy_to_dcp
+    from ckptctl.convert.planner import make_plan
 
     src, _, marker = hostile
     ck = open_checkpoint(str(src))

@@ -2,7 +2,7 @@
 ``gc`` keep (issue 34, parts 5 and 7).
 
 - ``promote --delete-source`` makes the check ``rm`` makes
-  (:func:`ckptctl.ops.ownership.check_removable`) once the copy is committed: a source
+  (:func:`ckptctl.catalog.ownership.check_removable`) once the copy is committed: a source
   holding a user's file, or the base of a delta pack beside it, stays, and the command
   says why (exit 1); the copy is there and restores. A rerun once the cause is gone
   removes the source. Locally and on the loopback S3 server.
@@ -26,7 +26,7 @@ from conftest import run_cli, write_tiny_dcp
 
 from ckptctl.formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, Manifest
 from ckptctl.formats.pack import PACK_INDEX
-from ckptctl.ops.promote import promote
+from ckptctl.tiering.promote import promote
 from test_gc_packs import _ckpt, _files
 from test_promote_packs import Place, _restores, cold, place  # noqa: F401 - fixtures
 
@@ -259,7 +259,7 @@ def test_resave_keeps_a_users_file(tmp_path):
 def test_resave_on_fewer_shards_verifies_on_s3(s3_bucket):
     url, opts = s3_bucket.url("run/step-12"), s3_bucket.storage_options
     _resave_on_fewer_shards(url, opts)
-    from ckptctl.ops.verify import verify
+    from ckptctl.integrity.verify import verify
 
     r = verify(url, opts, level="full")
     assert r.ok and not r.problems, r.problems
@@ -276,7 +276,7 @@ def _stale_marker(folder: Path) -> None:
 
 
 def test_force_refuses_a_pinned_checkpoint_beside_a_stale_marker(tmp_path):
-    from ckptctl.ops.pins import pin
+    from ckptctl.tiering.pins import pin
 
     src = tmp_path / "src"
     write_tiny_dcp(src)

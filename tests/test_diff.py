@@ -16,7 +16,7 @@ torch = pytest.importorskip("torch")
 from safetensors.torch import save_file  # noqa: E402
 
 from ckptctl.model import DTYPES  # noqa: E402
-from ckptctl.ops.diff import decode, diff  # noqa: E402
+from ckptctl.convert.diff import decode, diff  # noqa: E402
 
 
 def _row(r, name):
@@ -389,7 +389,7 @@ def test_s3_against_local(torch_ckpts, s3_bucket, derived, tmp_path, cli):
 def test_pack_against_its_source_and_a_reshard(torch_ckpts, derived, tmp_path):
     """A pack is one more source: identical to what it packed (by the hashes its index
     records) and, read through its chunks, to the 2-D reshard of that checkpoint."""
-    from ckptctl.ops.pack import pack
+    from ckptctl.packs.pack import pack
 
     root, _ = derived
     src = copy_ckpt(torch_ckpts.dcp["fsdp"], tmp_path / "src")  # pack seals its source

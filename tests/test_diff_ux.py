@@ -84,7 +84,7 @@ def test_map_then_only_model_part_is_identical_verdict_first(src, export):
 
 
 def test_only_takes_part_spellings_and_says_what_it_takes(src, export):
-    from ckptctl.ops.diff import diff
+    from ckptctl.convert.diff import diff
 
     r = diff(src, src, only=["optimizer"])  # parse_parts' spelling of optim
     assert r.equal and set(r.parts) == {"optim"}

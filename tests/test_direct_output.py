@@ -17,10 +17,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import ckptctl.ops.copier as copier
+import ckptctl.convert.copier as copier
 from ckptctl.errors import FormatError, StorageError
-from ckptctl.ops.copier import Span, SpanWriter
-from ckptctl.ops.output import Cancelled, OutputDir
+from ckptctl.convert.copier import Span, SpanWriter
+from ckptctl.writing.output import Cancelled, OutputDir
 from ckptctl.storage import digest_bytes, hash_file, open_store
 from ckptctl.storage import localio
 from ckptctl.storage.directwrite import DirectWriter
@@ -200,7 +200,7 @@ def test_span_writer_on_tmpfs_keeps_the_kernel_copy(tmp_path, monkeypatch):
     import shutil
     import tempfile
 
-    import ckptctl.ops.output as output
+    import ckptctl.writing.output as output
 
     copied = []
     real = output.kernel_copy
@@ -306,7 +306,7 @@ def _old_paths(monkeypatch) -> None:
     """consolidate as before the direct writer: kernel copies, buffered writes."""
     import importlib
 
-    for mod in (copier, importlib.import_module("ckptctl.ops.consolidate")):
+    for mod in (copier, importlib.import_module("ckptctl.convert.consolidate")):
         monkeypatch.setattr(mod, "copies_through_memory", lambda path: False)
 
 

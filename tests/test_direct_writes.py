@@ -115,8 +115,8 @@ def _s3_checkpoint(bucket, tmp_path, mib: int) -> Path:
     import numpy as np
     from safetensors.numpy import save_file
 
-    from ckptctl.ops.promote import promote
-    from ckptctl.ops.seal import seal
+    from ckptctl.tiering.promote import promote
+    from ckptctl.integrity.seal import seal
 
     src = tmp_path / "src" / "ck"
     src.mkdir(parents=True)

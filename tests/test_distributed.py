@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl.formats.manifest import MANIFEST, WRITING_MARKER
-from ckptctl.ops.distributed import DIST_DIR, Group
+from ckptctl.writing.distributed import DIST_DIR, Group
 from fixtures_torch import copy_ckpt
 
 CKPTCTL = Path(sys.executable).parent / "ckptctl"
@@ -338,7 +338,7 @@ def test_promote_4_processes_then_resume_after_a_failed_rank(one_proc, tmp_path)
     (sent by process 2 only) stops the run with nothing committed; a 1-process rerun
     resumes (the files the others published are not sent again) and commits the same id;
     a clean 4-process run writes the same bytes as one process."""
-    from ckptctl.ops.commit import is_format_marker, write_order
+    from ckptctl.writing.commit import is_format_marker, write_order
 
     one, one_doc, _ = one_proc
     src = copy_ckpt(one, tmp_path / "src")
@@ -410,7 +410,7 @@ def test_pack_split_matches_1_process(one_proc, tmp_path, monkeypatch):
 
     from ckptctl.ops import pack, unpack
 
-    pack_mod = importlib.import_module("ckptctl.ops.pack")  # the module, not the verb
+    pack_mod = importlib.import_module("ckptctl.packs.pack")  # the module, not the verb
 
     one, one_doc, _ = one_proc
     monkeypatch.setattr(pack_mod, "DATA_FILE_SIZE", 2 << 20)
@@ -425,7 +425,7 @@ def test_pack_split_matches_1_process(one_proc, tmp_path, monkeypatch):
 
 
 def test_data_layout_keeps_source_files_whole_per_unit():
-    from ckptctl.ops.pack import data_layout
+    from ckptctl.packs.pack import data_layout
 
     # a: 6, b: 3 share data file 0; c (10) does not fit: data files 1 and 2, one unit
     jobs = [("a", None, 0, 6), ("b", None, 0, 3), ("c", None, 0, 5), ("c", None, 5, 5)]

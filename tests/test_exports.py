@@ -26,7 +26,7 @@ import pytest
 from ckptctl.formats.detect import group_checkpoints, open_checkpoint
 from ckptctl.formats.manifest import MANIFEST
 from ckptctl.formats.safetensors import split_exports
-from ckptctl.ops.ls import ls
+from ckptctl.catalog.ls import ls
 
 INDEX = "model.safetensors.index.json"
 

@@ -267,7 +267,7 @@ def _run_root(deepspeed_ckpts, megatron_ckpts, root: Path) -> tuple[list[Path], 
 
 def test_layout_files_below_the_top_are_owned_and_a_users_are_not(deepspeed_ckpts,
                                                                    megatron_ckpts, tmp_path):
-    from ckptctl.ops.ownership import split_owned
+    from ckptctl.catalog.ownership import split_owned
     from ckptctl.storage import open_store
 
     for ck in (_universal(deepspeed_ckpts, tmp_path), _iteration(megatron_ckpts, tmp_path)):

@@ -241,7 +241,7 @@ def test_the_longer_of_two_overlapping_secrets_is_masked_whole():
 
 
 def test_tier_probe_reasons_are_scrubbed_by_token(monkeypatch):
-    from ckptctl.config import Tier
+    from ckptctl.tiering.config import Tier
     from ckptctl.errors import StorageError
     from ckptctl.ops import tiers
 

@@ -25,13 +25,13 @@ from hypothesis import strategies as st
 
 from conftest import dcp_save
 from ckptctl.formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER
-from ckptctl.ops.gc import gc
-from ckptctl.ops.latest import latest
-from ckptctl.ops.ls import ls
-from ckptctl.ops.pins import pin
-from ckptctl.ops.policy import Policy
-from ckptctl.ops.remove import remove_checkpoint
-from ckptctl.ops.seal import seal
+from ckptctl.tiering.gc import gc
+from ckptctl.tiering.latest import latest
+from ckptctl.catalog.ls import ls
+from ckptctl.tiering.pins import pin
+from ckptctl.tiering.policy import Policy
+from ckptctl.writing.removal import remove_checkpoint
+from ckptctl.integrity.seal import seal
 
 DAY = 86400.0
 
@@ -186,7 +186,7 @@ def test_failed_delete_leaves_it_incomplete_and_latest_skips_it(run, cli):
 def test_sealed_markers_go_in_order(tmp_path):
     """Removing only the markers (the first steps of a deletion) already uncommits it:
     without the manifest it is still a valid DCP checkpoint, without .metadata it is not."""
-    from ckptctl.ops.remove import deletion_order
+    from ckptctl.writing.removal import deletion_order
 
     ck = tmp_path / "step-9"
     _save(ck, 9)

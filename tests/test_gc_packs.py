@@ -1,7 +1,7 @@
 """``gc`` over chains of real delta packs (issue 10: "gc never removes the base of a pack
 it keeps"), locally and on the rclone S3 server.
 
-Every pack here is written by :func:`ckptctl.ops.pack.pack` from a small sealed
+Every pack here is written by :func:`ckptctl.packs.pack.pack` from a small sealed
 safetensors checkpoint (written by ``safetensors.numpy``); ``gc`` reads each pack's id
 (``packs``) and base (``Manifest.base``) from the pack's own manifest. After every gc,
 each kept pack still unpacks byte for byte to its source and passes ``verify --level
@@ -17,14 +17,14 @@ from pathlib import Path
 import numpy as np
 
 from ckptctl.formats.manifest import MANIFEST, Manifest
-from ckptctl.ops.gc import gc
-from ckptctl.ops.latest import latest
-from ckptctl.ops.ls import ls
-from ckptctl.ops.pack import pack, unpack
-from ckptctl.ops.pins import pin
-from ckptctl.ops.policy import Policy
-from ckptctl.ops.seal import seal
-from ckptctl.ops.verify import verify
+from ckptctl.tiering.gc import gc
+from ckptctl.tiering.latest import latest
+from ckptctl.catalog.ls import ls
+from ckptctl.packs.pack import pack, unpack
+from ckptctl.tiering.pins import pin
+from ckptctl.tiering.policy import Policy
+from ckptctl.integrity.seal import seal
+from ckptctl.integrity.verify import verify
 
 DAY = 86400.0
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 from conftest import dcp_save, run_cli
 
-from ckptctl.config import load_config
+from ckptctl.tiering.config import load_config
 from ckptctl.formats.manifest import WRITING_MARKER
-from ckptctl.ops.watch import Watcher, measured_plan, read_status
+from ckptctl.service.watch import Watcher, measured_plan, read_status
 
 
 @pytest.fixture(autouse=True)
@@ -57,7 +57,7 @@ def _verify(*args: str) -> tuple[int, dict]:
 
 def _kill_promote_after_first_file(monkeypatch, src: Path, dst: Path) -> None:
     """Run promote until its second file: an exception there, as a kill would stop it."""
-    from ckptctl.ops.promote import promote
+    from ckptctl.tiering.promote import promote
     from ckptctl.storage.transfer import Transfer
 
     real, sent = Transfer.copy, []
@@ -98,7 +98,7 @@ def test_verify_after_a_killed_promote_says_to_rerun_it(tmp_path, monkeypatch):
 def test_a_promote_marker_in_place_says_the_same(tmp_path):
     """A remote destination holds the promote's marker itself (no rename there): verify of
     it names the promote, on every level."""
-    from ckptctl.ops.promote import _marker
+    from ckptctl.tiering.promote import _marker
 
     dst = tmp_path / "step-1"
     _llama_ish(dst)
@@ -358,7 +358,7 @@ def test_a_hop_that_moved_nothing_measures_no_rate(tmp_path):
 
 
 def test_drain_rate_counts_what_the_hop_carried():
-    from ckptctl.ops.watch import drain_rate
+    from ckptctl.service.watch import drain_rate
 
     assert drain_rate(1000, 250, 1.0, pack=False) == 250.0  # a resumed copy
     assert drain_rate(1000, 100, 2.0, pack=True) == 500.0   # a delta pack: S over its time

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from ckptctl.formats.manifest import MANIFEST
-from ckptctl.ops.vocabulary import SCHEMA_VERSION
+from ckptctl.catalog.vocabulary import SCHEMA_VERSION
 
 ROOT = Path(__file__).resolve().parent.parent
 #: keys whose meaning the schema fixes, and the type each must have wherever it appears

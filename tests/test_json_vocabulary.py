@@ -2,13 +2,13 @@
 ``--json`` on small real checkpoints (DCP written by torch, its pack, its reshard), every
 key path of every document is collected, and the test fails when
 
-* two names of one meaning (:data:`ckptctl.ops.vocabulary.SYNONYMS`) both appear, or the
+* two names of one meaning (:data:`ckptctl.catalog.vocabulary.SYNONYMS`) both appear, or the
   one that appears is not the chosen one (a retired key is back);
 * verbs that describe one checkpoint (an ``ls`` row, ``inspect``, ``verify``, ``latest``,
   ``seal``, ``pin``, ``rm``; unsealed, sealed, with a user's file beside it, packed) give
   a key they share two values (:func:`disagreements`): a key whose meaning differs between
   verbs;
-* a size, count or rate (:func:`~ckptctl.ops.vocabulary.must_be_int`) is not an integer;
+* a size, count or rate (:func:`~ckptctl.catalog.vocabulary.must_be_int`) is not an integer;
 * a verb that has ``--json`` is not in the walk;
 * the README's "JSON vocabulary" table is not the one :data:`VOCABULARY` generates.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptctl.ops.vocabulary import RETIRED, SYNONYMS, VOCABULARY, must_be_int
+from ckptctl.catalog.vocabulary import RETIRED, SYNONYMS, VOCABULARY, must_be_int
 from conftest import run_cli, write_tiny_dcp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -309,7 +309,7 @@ def test_the_check_fails_on_a_key_whose_meaning_differs(described, tmp_path, mon
     from ckptctl.formats.manifest import MANIFEST
     from fixtures_torch import copy_ckpt
 
-    inspect_mod = importlib.import_module("ckptctl.ops.inspect")  # ops.inspect: the verb
+    inspect_mod = importlib.import_module("ckptctl.catalog.inspect")  # ops.inspect: the verb
 
     counted = inspect_mod.counted_files
 

@@ -30,8 +30,8 @@ def copies(monkeypatch, request):
     """Bytes copied from the source files as stored by consolidate's writer, per call:
     in the kernel (forced here: what XFS, btrfs, tmpfs get), or on ext4 read straight
     into the buffers of its O_DIRECT writer (``tmp_path`` is on ext4 here)."""
-    import ckptctl.ops.copier as copier
-    import ckptctl.ops.output as output
+    import ckptctl.convert.copier as copier
+    import ckptctl.writing.output as output
     from ckptctl.storage.directwrite import DirectWriter
 
     calls: list[int] = []
@@ -116,8 +116,8 @@ def test_a_truncated_source_is_refused_and_leaves_nothing(torch_ckpts, tmp_path,
     assert victim.name in str(e.value)  # refused when the checkpoint is opened
     assert not out.exists()
     # a source that shrinks after it was opened: the copy itself comes up short
-    from ckptctl.ops.copier import Span, SpanWriter
-    from ckptctl.ops.output import OutputDir
+    from ckptctl.convert.copier import Span, SpanWriter
+    from ckptctl.writing.output import OutputDir
 
     (tmp_path / "a.bin").write_bytes(b"x" * 100)
     with pytest.raises(FormatError) as e:

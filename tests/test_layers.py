@@ -1,185 +1,141 @@
-"""Imports point down the layers (DESIGN.md, "Layers"), parsed with ``ast``, lazy imports
-inside functions included:
+"""The house (README, "Design in one page"): the import contracts under
+``[tool.importlinter]`` in pyproject.toml (imports point down the layers, lazy imports
+included; no modules in a circle; typer, rich and click in the command line only), checked
+by import-linter, and the sizes of its pieces measured from the source: no package over 30%
+of the lines, no class over 350 lines, no function body over 100.
 
-    cli -> ops -> formats -> storage -> leaves (model, errors, layout, boxes, parts, ...)
-
-A module imports its own layer or a lower one, never a higher one; leaves import only
-leaves, without a circle. Only ``ckptctl/cli`` imports typer, rich or click. No module
-imports another's private (``_name``) functions: what two modules share is public. A new
-top-level module fails here until it is given a layer below.
+No module imports another's private (``_name``) functions: what two modules share is public.
+A new top-level module or package fails here until pyproject.toml gives it a layer.
 """
 from __future__ import annotations
 
 import ast
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "ckptctl"
-
-#: Layer of each subpackage and top-level module; higher may import lower, not the reverse.
-LAYERS = {"cli": 4, "__main__": 4, "dcp": 4, "callbacks": 4, "ops": 3, "config": 3,
-          "formats": 2, "storage": 1}
-#: Pure modules beside the model: they import only each other (and the standard library
-#: and numpy), so every layer may use them.
-LEAVES = {"", "model", "errors", "layout", "boxes", "parts", "_deps", "bulk", "units"}
-UI_LIBRARIES = {"typer", "rich", "click"}
+LINT = Path(sys.executable).with_name("lint-imports")
+MAX_SHARE, MAX_CLASS, MAX_BODY = 0.30, 350, 100
 
 
-def module_name(path: Path) -> str:
-    rel = path.relative_to(PKG.parent).with_suffix("")
-    parts = list(rel.parts)
-    if parts[-1] == "__init__":
-        parts.pop()
-    return ".".join(parts)
+def lint(root: Path) -> subprocess.CompletedProcess:
+    """import-linter's verdict on the ckptctl package under ``root`` (the contracts of
+    ``root/pyproject.toml``), with no cache written into the tree."""
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    return subprocess.run([str(LINT), "--no-cache", "--config", str(root / "pyproject.toml")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
 
 
-def is_package(path: Path) -> bool:
-    return path.name == "__init__.py"
+def broken(r: subprocess.CompletedProcess) -> str:
+    """The part of import-linter's report that lists the broken contracts."""
+    return r.stdout.split("Broken contracts")[-1] if "Broken contracts" in r.stdout else ""
 
 
-def imports_of(source: str, module: str, package: bool) -> list[tuple[str, int]]:
-    """(absolute module, line) for every import in ``source``; ``from X import y`` counts
-    as ``X.y`` when that names a module of ckptctl, else as ``X``.
+def test_the_import_contracts_hold():
+    r = lint(PKG.parent)
+    assert r.returncode == 0 and "Contracts: 3 kept, 0 broken." in r.stdout, r.stdout + r.stderr
 
-    >>> imports_of("from ..errors import UsageError\\nimport typer\\n", "ckptctl.ops.seal", False)
-    [('ckptctl.errors', 1), ('typer', 2)]
-    >>> imports_of("from . import dcp\\n", "ckptctl.formats", True)
-    [('ckptctl.formats.dcp', 1)]
+
+def every_module_has_a_layer() -> list[str]:
+    """Top-level modules and packages of ckptctl that the layers contract does not name."""
+    import tomllib
+
+    conf = tomllib.loads((PKG.parent / "pyproject.toml").read_text())["tool"]["importlinter"]
+    layers = next(c for c in conf["contracts"] if c["type"] == "layers")["layers"]
+    named = {n.strip() for layer in layers for n in layer.replace(":", "|").split("|")}
+    here = {p.stem if p.suffix else p.name for p in PKG.iterdir()
+            if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    return sorted(here - named)
+
+
+def test_every_module_and_package_has_a_layer():
+    assert not every_module_has_a_layer()
+
+
+def _copy(tmp_path: Path) -> Path:
+    shutil.copytree(PKG, tmp_path / "ckptctl", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(PKG.parent / "pyproject.toml", tmp_path)
+    return tmp_path / "ckptctl"
+
+
+@pytest.mark.parametrize("module, line, contract", [
+    ("model.py", "\n\ndef _late():\n    from .cli import app\n", "imports point down"),
+    ("convert/reshard.py", "from ..packs import pack\n", "imports point down"),
+    ("catalog/ls.py", "from ..integrity.verify import verify\n", "imports point down"),
+    ("formats/dcp.py", "import rich\n", "only the command line imports"),
+    ("catalog/closure.py", "\n\ndef _late():\n    from .ls import ls\n", "in a circle"),
+    ("catalog/ls.py", "from .closure import parse_parts\n", None),
+])
+def test_a_new_wrong_import_breaks_a_contract(tmp_path, module, line, contract):
+    target = _copy(tmp_path) / module
+    target.write_text(target.read_text() + line)
+    r = lint(tmp_path)
+    if contract is None:  # down, inside a package: allowed
+        assert r.returncode == 0, r.stdout
+    else:
+        assert r.returncode == 1 and contract in broken(r), r.stdout
+
+
+def python_files() -> list[Path]:
+    return sorted(p for p in PKG.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def lines_of(p: Path) -> int:
+    return len(p.read_text(encoding="utf-8").splitlines())
+
+
+def test_no_package_holds_over_30_percent_of_the_lines():
+    total = sum(lines_of(p) for p in python_files())
+    per: dict[str, int] = {}
+    for p in python_files():
+        rel = p.relative_to(PKG)
+        if len(rel.parts) > 1:
+            per[rel.parts[0]] = per.get(rel.parts[0], 0) + lines_of(p)
+    big = {k: f"{v / total:.0%}" for k, v in per.items() if v > MAX_SHARE * total}
+    assert len(per) >= 8 and not big, big
+
+
+def oversized(source: str, where: str = "") -> list[str]:
+    """Classes over :data:`MAX_CLASS` lines and function bodies over :data:`MAX_BODY`
+    lines, counted from the first statement after the docstring to the end of the last.
+
+    >>> oversized("def f():\\n    '''doc'''\\n" + "    x = 1\\n" * 101, "m.py")
+    ['m.py:1 function f: 101 lines']
+    >>> oversized("def f():\\n    '''doc'''\\n" + "    x = 1\\n" * 100)
+    []
     """
     out = []
-    here = module.split(".") if package else module.split(".")[:-1]
-    tree = ast.parse(source)
-    typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-                   and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-                   for n in ast.walk(node)}  # annotations only: never imported at run time
-    for node in ast.walk(tree):
-        if id(node) in typing_only:
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
-        if isinstance(node, ast.Import):
-            out += [(a.name, node.lineno) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = here[:len(here) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            for a in node.names:
-                sub = f"{target}.{a.name}"
-                out.append((sub if _exists(sub) else target, node.lineno))
-    return sorted(set(out), key=lambda x: (x[1], x[0]))
-
-
-def _exists(module: str) -> bool:
-    if not module.startswith("ckptctl"):
-        return False
-    rel = Path(*module.split(".")[1:])
-    return (PKG / rel).with_suffix(".py").exists() or (PKG / rel / "__init__.py").exists()
-
-
-def layer_of(module: str) -> int | None:
-    """0 for leaves, LAYERS[...] otherwise; None for a module given no layer."""
-    head = module.split(".")[1] if "." in module else ""
-    if head in LEAVES and module.count(".") <= 1:
-        return 0
-    return LAYERS.get(head)
-
-
-def graph() -> dict[str, list[tuple[str, int]]]:
-    """ckptctl module -> its imports (absolute names, with lines)."""
-    return {module_name(p): imports_of(p.read_text(encoding="utf-8"), module_name(p),
-                                       is_package(p))
-            for p in sorted(PKG.rglob("*.py"))}
-
-
-def violations(g: dict[str, list[tuple[str, int]]]) -> list[str]:
-    """Every import in ``g`` that points up a layer, sideways between layers' packages or
-    to a UI library outside cli, plus modules without a layer and circles among leaves.
-
-    >>> for v in violations({"ckptctl.layout": [("ckptctl.ops.closure", 175)],
-    ...                      "ckptctl.ops.diff": [("ckptctl.layout", 3), ("rich.table", 9)]}):
-    ...     print(v)
-    ckptctl.layout:175 imports ckptctl.ops.closure (layer 3 above 0)
-    ckptctl.ops.diff:9 imports rich.table (UI library outside ckptctl/cli)
-    """
-    bad = []
-    leaf_edges: dict[str, set[str]] = {}
-    for mod, imps in g.items():
-        mine = layer_of(mod)
-        if mine is None:
-            bad.append(f"{mod}: no layer (add it to LAYERS or LEAVES in tests/test_layers.py)")
-            continue
-        for target, line in imps:
-            top = target.split(".")[0]
-            if top in UI_LIBRARIES and mine != LAYERS["cli"]:
-                bad.append(f"{mod}:{line} imports {target} (UI library outside ckptctl/cli)")
-            if top != "ckptctl":
-                continue
-            theirs = layer_of(target)
-            if theirs is None:
-                bad.append(f"{mod}:{line} imports {target}, which has no layer")
-            elif theirs > mine:
-                bad.append(f"{mod}:{line} imports {target} (layer {theirs} above {mine})")
-            elif theirs == 0 and mine == 0 and target != mod:
-                leaf_edges.setdefault(mod, set()).add(target)
-    bad += [f"import circle among leaves: {' -> '.join(c)}" for c in _cycles(leaf_edges)]
-    return bad
-
-
-def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
-    out, state = [], {}
-
-    def visit(n, path):
-        state[n] = 1
-        for m in sorted(edges.get(n, ())):
-            if state.get(m) == 1:
-                out.append(path[path.index(m):] + [m] if m in path else [n, m])
-            elif m not in state:
-                visit(m, path + [m])
-        state[n] = 2
-
-    for n in sorted(edges):
-        if n not in state:
-            visit(n, [n])
+        body = node.body
+        if len(body) > 1 and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value,
+                                                                           str):
+            body = body[1:]
+        n = body[-1].end_lineno - body[0].lineno + 1
+        kind, limit = ("class", MAX_CLASS) if isinstance(node, ast.ClassDef) else \
+            ("function", MAX_BODY)
+        if n > limit:
+            out.append(f"{where}:{node.lineno} {kind} {node.name}: {n} lines")
     return out
 
 
-def test_the_graph_is_real():
-    g = graph()
-    assert len(g) > 30 and "ckptctl.ops.planner" in g and "ckptctl.cli.main" in g
-    assert "ckptctl.ops.planner" in {t for t, _ in g["ckptctl.ops.copier"]}
-    assert "ckptctl.parts" in {t for t, _ in g["ckptctl.layout"]}
-    assert any(t.startswith("typer") for t, _ in g["ckptctl.cli.main"])
-
-
-def test_imports_point_down_the_layers():
-    bad = violations(graph())
+def test_no_class_over_350_lines_no_function_body_over_100():
+    bad = [x for p in python_files()
+           for x in oversized(p.read_text(encoding="utf-8"), str(p.relative_to(PKG.parent)))]
     assert not bad, "\n".join(bad)
 
 
-def circles(g: dict[str, list[tuple[str, int]]]) -> list[str]:
-    """Pairs of modules that import each other (lazy imports included): one of them
-    belongs below the other, or what both need belongs in a third module.
-
-    >>> circles({"ckptctl.a": [("ckptctl.b", 3)], "ckptctl.b": [("ckptctl.a", 9)]})
-    ['ckptctl.a:3 <-> ckptctl.b:9']
-    """
-    lines = {(m, t): line for m, imps in g.items() for t, line in imps}
-    return sorted(f"{a}:{lines[a, b]} <-> {b}:{lines[b, a]}" for a, b in lines
-                  if a < b and (b, a) in lines)
-
-
-def test_no_two_modules_import_each_other():
-    bad = circles(graph())
-    assert not bad, "\n".join(bad)
-
-
-def test_only_cli_imports_typer_or_rich():
-    g = graph()
-    bad = [f"{mod}:{line} imports {t}" for mod, imps in g.items()
-           if not mod.startswith(("ckptctl.cli", "ckptctl.__main__"))
-           for t, line in imps if t.split(".")[0] in UI_LIBRARIES]
-    assert not bad, "\n".join(bad)
+def test_every_package_says_what_lives_there_and_what_it_may_import():
+    for init in sorted(PKG.glob("*/__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        assert "import" in doc.lower() and len(doc) > 80, (init, doc)
 
 
 def private_imports(source: str) -> list[str]:
@@ -201,24 +157,6 @@ def test_no_private_imports_across_modules():
     bad = [f"{p.relative_to(PKG.parent)}: {x}" for p in sorted(PKG.rglob("*.py"))
            for x in private_imports(p.read_text(encoding="utf-8"))]
     assert not bad, "\n".join(bad)
-
-
-def test_layout_is_a_leaf():
-    imps = {t for t, _ in graph()["ckptctl.layout"] if t.startswith("ckptctl")}
-    assert imps and all(layer_of(t) == 0 for t in imps), imps
-
-
-@pytest.mark.parametrize("g, expect", [
-    ({"ckptctl.storage.store": [("ckptctl.formats.dcp", 1)]}, "layer 2 above 1"),
-    ({"ckptctl.formats.dcp": [("ckptctl.cli.common", 1)]}, "layer 4 above 2"),
-    ({"ckptctl.model": [("ckptctl.storage", 1)]}, "layer 1 above 0"),
-    ({"ckptctl.newthing": []}, "no layer"),
-    ({"ckptctl.model": [("ckptctl.errors", 1)], "ckptctl.errors": [("ckptctl.model", 2)]},
-     "import circle among leaves"),
-    ({"ckptctl.ops.x": [("typer", 1)]}, "UI library outside ckptctl/cli"),
-])
-def test_violations_are_caught(g, expect):
-    assert any(expect in v for v in violations(g)), violations(g)
 
 
 def test_docs_generator_is_outside_the_package():

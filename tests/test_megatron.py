@@ -116,7 +116,7 @@ def test_reshard_into_dcp_loads_with_dcp_load(run, cli, tmp_path):
     code, so, err = cli("reshard", str(run.iter_dir(20)), str(out), "--world-size", "3")
     assert code == 0, so + err
     from ckptctl.formats import open_checkpoint
-    from ckptctl.ops.copier import object_payload
+    from ckptctl.convert.copier import object_payload
 
     a, b = open_checkpoint(str(run.iter_dir(20))), open_checkpoint(str(out))
     rng = sorted(k for k in a.objects if k.startswith("rng_state/"))
@@ -256,7 +256,7 @@ def test_a_reshard_stays_torch_dist_and_megatron_loads_it_at_another_tp(megatron
     megatron-core's own dist_checkpointing.load at TP=1 (1 rank) gives the state it gives
     for the source itself: weights, Adam state, scheduler, iteration."""
     from ckptctl.formats import open_checkpoint
-    from ckptctl.ops.copier import object_payload
+    from ckptctl.convert.copier import object_payload
 
     run = megatron_ckpts.dist("tp2", release)
     out = tmp_path / "run" / "iter_0000020"

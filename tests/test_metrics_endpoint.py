@@ -22,7 +22,7 @@ import pytest
 from test_watch import _config, _wait_for
 
 from ckptctl.errors import UsageError
-from ckptctl.ops.metrics import MetricsServer, WatchMetrics, parse_addr
+from ckptctl.service.metrics import MetricsServer, WatchMetrics, parse_addr
 
 ROOT = Path(__file__).resolve().parent.parent
 

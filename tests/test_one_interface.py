@@ -144,8 +144,8 @@ def test_man_environment_names_every_variable_read():
 
 def test_man_files_names_every_marker_and_state_file():
     from ckptctl.formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER
-    from ckptctl.ops.distributed import DIST_DIR
-    from ckptctl.ops.promote import JOURNAL
+    from ckptctl.writing.distributed import DIST_DIR
+    from ckptctl.tiering.promote import JOURNAL
 
     files = _man_section("FILES").replace("\\-", "-").replace("\\", "")
     for name in (MANIFEST, WRITING_MARKER, PIN_FILE, DIST_DIR, JOURNAL, "ckptctl.toml",

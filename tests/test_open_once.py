@@ -45,7 +45,7 @@ def test_seal_on_s3_lists_once_and_reads_metadata_once(torch_ckpts, s3_bucket):
     lists, gets = _requests(server)
     assert r.action == "sealed" and r.step == 20 and r.num_files == 5
     # one listing opens it; rclone ignores conditional writes, so the commit lists the
-    # folder twice more (around its write: ckptctl.ops.seal._publish_unconditional)
+    # folder twice more (around its write: ckptctl.integrity.seal._publish_unconditional)
     assert lists == 1 + 2, server.request_log()
     assert gets[".metadata"] == 1, gets
     # every small file is fetched once and shared by the reader, verify and the hashes

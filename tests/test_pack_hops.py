@@ -15,8 +15,8 @@ import pytest
 
 from ckptctl.errors import FormatError
 from ckptctl.formats.pack import PACK_INDEX, PackIndex
-from ckptctl.ops.pack import unpack
-from ckptctl.ops.promote import promote
+from ckptctl.packs.pack import unpack
+from ckptctl.tiering.promote import promote
 from test_gc_packs import _ckpt, _files
 
 

@@ -13,7 +13,7 @@ import pytest
 from ckptctl.errors import CkptError, FormatError, NotFoundError, UnsafeInputError
 from ckptctl.formats.manifest import MANIFEST, WRITING_MARKER, Manifest
 from ckptctl.formats.pack import PACK_INDEX
-from ckptctl.ops.pack import pack, unpack
+from ckptctl.packs.pack import pack, unpack
 from ckptctl.storage import digest_bytes
 from test_pack import CHANGED, write_dcp
 

@@ -29,14 +29,14 @@ from test_watch import _step
 
 from ckptctl.formats.manifest import MANIFEST, WRITING_MARKER, Manifest
 from ckptctl.formats.pack import PACK_INDEX, REROOT_SUFFIX, reroot_stage
-from ckptctl.ops.gc import gc
-from ckptctl.ops.policy import Policy
-from ckptctl.ops.promote import promote
-from ckptctl.ops.verify import verify
+from ckptctl.tiering.gc import gc
+from ckptctl.tiering.policy import Policy
+from ckptctl.tiering.promote import promote
+from ckptctl.integrity.verify import verify
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = list(range(10, 110, 10))
-#: the re-root's durable steps (ckptctl.ops.pack._reached), in order
+#: the re-root's durable steps (ckptctl.packs.pack._reached), in order
 SEAMS = ["staged", "marked", "cleared", "placed", "committed", "unmarked", "unsealed-stage"]
 
 
@@ -98,7 +98,7 @@ class Tier:
 
     def restores(self, url: str, step: int, out: Path) -> None:
         """The pack at ``url`` unpacks to exactly the original step's files and id."""
-        from ckptctl.ops.pack import unpack
+        from ckptctl.packs.pack import unpack
 
         u = unpack(url, str(out), storage_options=self.opts, workers=1)
         assert u.manifest_id == self.source_id(step), url
@@ -219,7 +219,7 @@ def test_reroot_against_an_older_kept_checkpoint(tmp_path):
 def test_a_reroot_keeps_the_pin_and_the_users_files(tmp_path):
     """Only the pack's own files are replaced: a pin and a user's file in the folder stay
     (so it stays pinned, and gc still names the file)."""
-    from ckptctl.ops.pins import pin
+    from ckptctl.tiering.pins import pin
 
     t = Tier(tmp_path)
     t.build()
@@ -247,7 +247,7 @@ def test_a_reroot_that_fails_keeps_the_chain(tmp_path, monkeypatch):
     def refuse(url, **kw):
         raise Finding(url, "content hash differs from the source manifest", code="HASH_MISMATCH")
 
-    monkeypatch.setattr(importlib.import_module("ckptctl.ops.pack"), "reroot", refuse)
+    monkeypatch.setattr(importlib.import_module("ckptctl.packs.pack"), "reroot", refuse)
     code, out, err = run_cli("--config", cfg, "gc", "cold:", "--json")
     assert code == 1, err
     doc = json.loads(out)
@@ -293,7 +293,7 @@ def _kill(monkeypatch, seam: str) -> None:
     with the writers' clean-up switched off (a kill runs no clean-up); ``removing-bases``:
     in the removal of the third base, after its manifest."""
     if seam == "removing-bases":
-        remove_mod = importlib.import_module("ckptctl.ops.remove")
+        remove_mod = importlib.import_module("ckptctl.writing.removal")
         real, calls = remove_mod.remove_checkpoint, []
 
         def remove_checkpoint(store, *a, **kw):
@@ -312,12 +312,12 @@ def _kill(monkeypatch, seam: str) -> None:
             raise Killed("removing-bases")
 
         monkeypatch.setattr(remove_mod, "remove_checkpoint", remove_checkpoint)
-        monkeypatch.setattr(importlib.import_module("ckptctl.ops.gc"), "remove_batched",
+        monkeypatch.setattr(importlib.import_module("ckptctl.tiering.gc"), "remove_batched",
                             remove_batched)
         return
-    from ckptctl.ops.output import OutputDir
+    from ckptctl.writing.output import OutputDir
 
-    pack_mod = importlib.import_module("ckptctl.ops.pack")  # the module, not ops.pack()
+    pack_mod = importlib.import_module("ckptctl.packs.pack")  # the module, not ops.pack()
 
     monkeypatch.setattr(OutputDir, "_cleanup", lambda self: None)
     if seam == "writing-stage":  # inside the pack writer: data written, no manifest yet
@@ -379,7 +379,7 @@ RERUN = {"writing-stage": [("step-70", "discarded"), ("step-70", "re-rooted")],
 
 
 def _index_base(tier: Tier, name: str):
-    from ckptctl.ops.pack import open_pack_url
+    from ckptctl.packs.pack import open_pack_url
 
     ps = open_pack_url(tier.url(name), tier.opts)
     try:
@@ -397,7 +397,7 @@ def test_a_real_kill_mid_install_then_gc_finishes(tmp_path):
     cfg = str(t.config())
     code = ("import os, signal, sys\n"
             "import importlib\n"
-            "p = importlib.import_module('ckptctl.ops.pack')\n"
+            "p = importlib.import_module('ckptctl.packs.pack')\n"
             "def reached(step, url):\n"
             "    if step == 'cleared':\n"
             "        os.kill(os.getpid(), signal.SIGKILL)\n"
@@ -428,7 +428,7 @@ def test_a_real_kill_mid_install_then_gc_finishes(tmp_path):
 
 def test_the_chain_limits_agree():
     """The config's default and bound for ``max_chain`` are the pack format's."""
-    from ckptctl import config
+    from ckptctl.tiering import config
     from ckptctl.formats import pack
 
     assert (config.DEFAULT_MAX_CHAIN, config.MAX_CHAIN_LIMIT) == \

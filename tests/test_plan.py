@@ -15,9 +15,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ckptctl.config import Tier
+from ckptctl.tiering.config import Tier
 from ckptctl.errors import UsageError
-from ckptctl.ops.plan import (FIRST_ORDER_RATIO, MIN_EFFICIENCY, Measurement, TierInput,
+from ckptctl.tiering.plan import (FIRST_ORDER_RATIO, MIN_EFFICIENCY, Measurement, TierInput,
                               checkpoint_size, daly, drains, expected_efficiency,
                               expected_overhead, local_capacity, measure_tier,
                               node_bandwidth, overhead, plan, system_mtbf, young_daly)
@@ -397,7 +397,7 @@ def test_cli_node_mtbf_and_write_bandwidth(cli):
     assert doc["optimal_interval_seconds"] == pytest.approx(math.sqrt(2 * 0.9765625
                                                                       * 307_968.75))
     assert doc["save_mtbf_ratio"] == pytest.approx(0.9765625 / 307_968.75)
-    from ckptctl.ops.vocabulary import must_be_int
+    from ckptctl.catalog.vocabulary import must_be_int
     assert all(isinstance(v, int) for k, v in doc.items() if must_be_int(k) and v is not None)
     code, out, err = cli("plan", *args)
     assert code == 0 and err == "", err

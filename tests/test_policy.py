@@ -1,4 +1,4 @@
-"""The retention policy (``ckptctl.ops.policy``), as restic tests its ``ApplyPolicy``:
+"""The retention policy (``ckptctl.tiering.policy``), as restic tests its ``ApplyPolicy``:
 
 * a table of policies against generated histories, each compared with a golden JSON file
   under ``tests/golden/gc/`` (the history itself is written there too, so a reviewer reads
@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckptctl.errors import UsageError
-from ckptctl.ops.policy import (COMMITTED, Item, Policy, apply_policy, format_duration,
+from ckptctl.tiering.policy import (COMMITTED, Item, Policy, apply_policy, format_duration,
                                 newest_first, parse_duration)
 
 GOLDEN = Path(__file__).parent / "golden" / "gc"

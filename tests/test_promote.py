@@ -12,8 +12,8 @@ import pytest
 from conftest import run_cli, write_tiny_dcp
 
 from ckptctl.formats.manifest import MANIFEST, WRITING_MARKER
-from ckptctl.ops.promote import promote
-from ckptctl.ops.verify import verify
+from ckptctl.tiering.promote import promote
+from ckptctl.integrity.verify import verify
 
 PART = 5 << 20
 

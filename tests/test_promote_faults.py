@@ -30,7 +30,7 @@ from test_promote import s3_op
 
 from ckptctl.errors import CkptError
 from ckptctl.formats.manifest import MANIFEST, Manifest
-from ckptctl.ops.promote import JOURNAL, WORK_SUFFIX, promote
+from ckptctl.tiering.promote import JOURNAL, WORK_SUFFIX, promote
 from ckptctl.storage.journal import Journal, journal_path_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -77,7 +77,7 @@ def _write_source(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory) -> Source:
-    from ckptctl.ops.seal import seal
+    from ckptctl.integrity.seal import seal
     from ckptctl.storage import open_store
 
     p = tmp_path_factory.mktemp("promote-faults") / NAME

@@ -19,7 +19,7 @@ from conftest import run_cli
 
 from ckptctl.formats.manifest import MANIFEST, Manifest
 from ckptctl.formats.pack import PACK_INDEX
-from ckptctl.ops.promote import promote
+from ckptctl.tiering.promote import promote
 from test_gc_packs import _ckpt, _files  # the same sealed checkpoints as the gc pack tests
 
 

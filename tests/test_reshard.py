@@ -164,8 +164,8 @@ def test_reshard_from_broken_source_leaves_nothing_committed(torch_ckpts, tmp_pa
 
 
 def test_row_blocks_bound_memory(torch_ckpts):
-    from ckptctl.ops.copier import chunk_blocks
-    from ckptctl.ops.planner import consolidation_plan
+    from ckptctl.convert.copier import chunk_blocks
+    from ckptctl.convert.planner import consolidation_plan
 
     ck = open_checkpoint(str(torch_ckpts["tp"]))
     plan = consolidation_plan(ck, only={"model.tok_embeddings.weight"})

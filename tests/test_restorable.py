@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 
 from ckptctl.formats.manifest import MANIFEST, NEEDED_BY_PREFIX, WRITING_MARKER
-from ckptctl.ops.gc import gc
-from ckptctl.ops.latest import latest
-from ckptctl.ops.ls import ls
-from ckptctl.ops.pack import pack
-from ckptctl.ops.pins import pin
-from ckptctl.ops.policy import Policy
-from ckptctl.ops.seal import seal
+from ckptctl.tiering.gc import gc
+from ckptctl.tiering.latest import latest
+from ckptctl.catalog.ls import ls
+from ckptctl.packs.pack import pack
+from ckptctl.tiering.pins import pin
+from ckptctl.tiering.policy import Policy
+from ckptctl.integrity.seal import seal
 from conftest import write_tiny_dcp
 
 
@@ -338,7 +338,7 @@ def test_two_gc_at_once_do_not_trip_over_each_other(tmp_path):
         _ckpt(root / f"step-{s}", s, sealed=False)
     import importlib
 
-    gc_mod = importlib.import_module("ckptctl.ops.gc")
+    gc_mod = importlib.import_module("ckptctl.tiering.gc")
 
     real = gc_mod.ls
     listed = real(str(root), manifests=True, check="auto")

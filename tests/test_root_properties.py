@@ -63,14 +63,14 @@ from hypothesis import strategies as st
 from ckptctl.errors import Finding
 from ckptctl.formats.manifest import (MANIFEST, NEEDED_BY_PREFIX, PIN_FILE, WRITING_MARKER,
                                       Manifest)
-from ckptctl.ops.gc import gc
-from ckptctl.ops.ls import ls
-from ckptctl.ops.pack import open_pack_url, pack, unpack
-from ckptctl.ops.pins import pin
-from ckptctl.ops.policy import Policy
-from ckptctl.ops.remove import remove
-from ckptctl.ops.seal import seal
-from ckptctl.ops.verify import verify
+from ckptctl.tiering.gc import gc
+from ckptctl.catalog.ls import ls
+from ckptctl.packs.pack import open_pack_url, pack, unpack
+from ckptctl.tiering.pins import pin
+from ckptctl.tiering.policy import Policy
+from ckptctl.tiering.rm import remove
+from ckptctl.integrity.seal import seal
+from ckptctl.integrity.verify import verify
 
 COMMITTED = ("sealed", "complete")
 DAY = 86400.0
@@ -717,7 +717,7 @@ def test_the_out_of_root_reference_keeps_a_base_for_gc_and_rm(tmp_path):
 
 def test_a_marked_pack_base_leaves_its_dependant_missing_base(tmp_path, monkeypatch):
     """The property generates this only with ``AVOID_MARKED_PACK_BASES = False``."""
-    import ckptctl.ops.remove as remove_mod
+    import ckptctl.writing.removal as remove_mod
 
     a, src = tmp_path / "A", tmp_path / "src"
     for s in (10, 20):

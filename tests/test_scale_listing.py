@@ -25,7 +25,7 @@ from listing_bench import count, make_template, make_tree  # noqa: E402
 from s3server import start_rclone  # noqa: E402
 
 from ckptctl.formats.manifest import MANIFEST  # noqa: E402
-from ckptctl.ops.remove import COMMIT_MARKERS, deletion_order  # noqa: E402
+from ckptctl.writing.removal import COMMIT_MARKERS, deletion_order  # noqa: E402
 
 #: ~3,900 keys: four listing pages
 N = 1000
@@ -147,10 +147,10 @@ def test_gc_dry_run_decides_as_a_full_read_does(world, cli):
 
 def _phases(root: Path, names: list[str]) -> tuple[list[int], int]:
     """Keys per deletion phase of gc's batched removal of ``names`` (see
-    :func:`ckptctl.ops.gc.remove_batched`): each commit-marker rank, the data, the writing
+    :func:`ckptctl.tiering.gc.remove_batched`): each commit-marker rank, the data, the writing
     markers; and how many writing markers are PUT (only where no format marker of the
     checkpoint's own goes first and more than one data file follows)."""
-    from ckptctl.ops.commit import is_format_marker
+    from ckptctl.writing.commit import is_format_marker
 
     plans = []
     for name in names:
@@ -191,7 +191,7 @@ def test_a_damaged_newest_is_found_by_reading_it(tmp_path, template, cli):
     """150 checkpoints (listed from the listing, past QUICK_LIMIT): the newest sealed one
     has lost a data file, the next has a manifest that does not parse. ``latest`` and
     ``gc`` read them (the listing alone calls them sealed) and answer as a full read."""
-    from ckptctl.ops.ls import QUICK_LIMIT
+    from ckptctl.catalog.ls import QUICK_LIMIT
 
     n = QUICK_LIMIT + 50
     make_tree(tmp_path / "dmg", n, template)

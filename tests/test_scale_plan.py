@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from ckptctl.boxes import BoxIndex, intersect
 from ckptctl.layout import parse_mesh, preset
-from ckptctl.ops.planner import make_plan
+from ckptctl.convert.planner import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 CKPTCTL = str(ROOT / ".venv" / "bin" / "ckptctl")

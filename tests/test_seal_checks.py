@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from ckptctl.config import load_config
+from ckptctl.tiering.config import load_config
 from ckptctl.errors import Finding
 from ckptctl.formats.manifest import MANIFEST
 from fixtures_torch import copy_ckpt
@@ -86,8 +86,8 @@ def test_promote_and_pack_refuse_a_flipped_source(flipped, tmp_path):
 
 
 def test_watch_does_not_seal_or_carry_a_flipped_checkpoint(flipped, tmp_path, monkeypatch):
-    from ckptctl.ops.ls import ls
-    from ckptctl.ops.watch import Watcher
+    from ckptctl.catalog.ls import ls
+    from ckptctl.service.watch import Watcher
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     ck, rel, _ = flipped

@@ -1,7 +1,7 @@
 """Concurrent ``seal --tag`` of one checkpoint (issue 17, item 6): tags merge; a seal that
 exits 0 has its tags in the stored manifest, on a local folder, on moto (which honours
 ``If-None-Match``/``If-Match``: compare-and-swap) and on ``rclone serve s3`` (which ignores
-both: the intent protocol of :func:`ckptctl.ops.seal._publish_unconditional`).
+both: the intent protocol of :func:`ckptctl.integrity.seal._publish_unconditional`).
 
 Sealers are started together (two processes of the CLI, or threads of the library) and
 repeated; no assertion depends on how they interleave: afterwards every caller that
@@ -24,7 +24,7 @@ import pytest
 
 from ckptctl.errors import CkptError
 from ckptctl.formats.manifest import MANIFEST, Manifest
-from ckptctl.ops.seal import seal
+from ckptctl.integrity.seal import seal
 
 ROOT = Path(__file__).resolve().parents[1]
 REPEATS = 5
@@ -199,7 +199,7 @@ def test_which_servers_honour_conditional_writes(s3_bucket, moto_bucket):
 def test_a_killed_sealers_intent_does_not_block(s3_bucket, tmp_path):
     """rclone: the intent a killed sealer left (a dead process of this host) is removed,
     and the seal goes on."""
-    from ckptctl.ops.seal import _host
+    from ckptctl.integrity.seal import _host
 
     where = Where("rclone", tmp_path, s3_bucket)
     url = where.fresh()

@@ -37,7 +37,7 @@ def state(seed: int = 0) -> dict:
 def resealed(folder: Path, tmp: Path) -> bytes:
     """What ``seal`` writes for a copy of ``folder`` without its manifest (same name:
     the step may come from it)."""
-    from ckptctl.ops.seal import seal
+    from ckptctl.integrity.seal import seal
 
     copy = tmp / f"reseal-{uuid.uuid4().hex[:8]}" / folder.name
     shutil.copytree(folder, copy)
@@ -50,7 +50,7 @@ def resealed_in_place(url: str, storage_options: dict | None = None) -> tuple[by
     """(the manifest the writer committed at ``url``, what ``seal`` writes there after it is
     removed): in place, as a copy elsewhere (a download, another prefix) would carry new
     modification times, and a manifest's ``created`` is its newest file's."""
-    from ckptctl.ops.seal import seal
+    from ckptctl.integrity.seal import seal
     from ckptctl.storage import open_store
 
     store = open_store(url, storage_options)
@@ -61,7 +61,7 @@ def resealed_in_place(url: str, storage_options: dict | None = None) -> tuple[by
 
 
 def verify_full(url: str, storage_options: dict | None = None) -> None:
-    from ckptctl.ops.verify import verify
+    from ckptctl.integrity.verify import verify
 
     r = verify(url, storage_options, level="full")
     assert not [p for p in r.problems if p.severity == "error"], r.problems
@@ -116,7 +116,7 @@ def test_async_save_seals(tmp_path):
     dcp.async_save(state(), checkpoint_id=folder, storage_writer=w).result()  # reset() to it
     assert not (tmp_path / "elsewhere").exists()
     stored = (folder / MANIFEST).read_bytes()
-    from ckptctl.ops.seal import seal
+    from ckptctl.integrity.seal import seal
 
     copy = tmp_path / "copy" / "step-12"
     shutil.copytree(folder, copy)
@@ -322,7 +322,7 @@ def test_hf_trainer_callback(tmp_path):
     Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
     assert [(Path(r.url).name, r.action, r.step) for r in cb.results] == [
         ("checkpoint-2", "sealed", 2), ("checkpoint-4", "sealed", 4)]
-    from ckptctl.ops.seal import seal
+    from ckptctl.integrity.seal import seal
 
     for name in ("checkpoint-2", "checkpoint-4"):
         folder = out / name
@@ -374,7 +374,7 @@ def test_lightning_callback(tmp_path):
               enable_progress_bar=False, enable_model_summary=False).fit(Tiny(), dl)
     assert [(Path(r.url).name, r.action, r.step) for r in cb.results] == [
         ("step-2", "sealed", 2), ("step-4", "sealed", 4)]
-    from ckptctl.ops.seal import seal
+    from ckptctl.integrity.seal import seal
 
     for name in ("step-2", "step-4"):
         copy = tmp_path / "copy" / name

@@ -14,15 +14,15 @@ import pytest
 from conftest import run_cli
 
 from ckptctl.errors import Finding, UsageError
-from ckptctl.ops.gc import gc
-from ckptctl.ops.ls import ls
-from ckptctl.ops.pack import pack, unpack
-from ckptctl.ops.pins import pin, unpin
-from ckptctl.ops.policy import Policy
-from ckptctl.ops.promote import promote
-from ckptctl.ops.remove import remove
-from ckptctl.ops.seal import seal
-from ckptctl.ops.verify import verify
+from ckptctl.tiering.gc import gc
+from ckptctl.catalog.ls import ls
+from ckptctl.packs.pack import pack, unpack
+from ckptctl.tiering.pins import pin, unpin
+from ckptctl.tiering.policy import Policy
+from ckptctl.tiering.promote import promote
+from ckptctl.tiering.rm import remove
+from ckptctl.integrity.seal import seal
+from ckptctl.integrity.verify import verify
 
 SIDE = ".ckptctl.manifest.json"
 
@@ -320,8 +320,8 @@ def test_a_pin_keeps_a_file_from_gc(tmp_path):
 
 
 def test_watch_once_seals_promotes_and_trims_a_file(tmp_path):
-    from ckptctl.config import load_config
-    from ckptctl.ops.watch import Watcher
+    from ckptctl.tiering.config import load_config
+    from ckptctl.service.watch import Watcher
 
     cfg = tmp_path / "ckptctl.toml"
     cfg.write_text(f'[[tier]]\nname = "hot"\nurl = "{tmp_path / "hot"}"\nkeep = {{ last = 1 }}\n'
@@ -341,8 +341,8 @@ def test_watch_once_seals_promotes_and_trims_a_file(tmp_path):
 
 
 def test_watch_drains_files_hop_by_hop_to_a_pack_tier_on_s3(tmp_path, s3_bucket):
-    from ckptctl.config import load_config
-    from ckptctl.ops.watch import Watcher
+    from ckptctl.tiering.config import load_config
+    from ckptctl.service.watch import Watcher
 
     opts = s3_bucket.storage_options
     kv = ", ".join(f"{k} = {json.dumps(v)}" for k, v in opts.items() if not isinstance(v, dict))

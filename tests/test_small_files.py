@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from ckptctl.errors import CkptError
-from ckptctl.ops.promote import promote
-from ckptctl.ops.seal import seal
+from ckptctl.tiering.promote import promote
+from ckptctl.integrity.seal import seal
 from ckptctl.storage import local_store as store_mod
 from ckptctl.storage import transfer as transfer_mod
 from ckptctl.storage.journal import Journal

@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 
 from ckptctl.formats.dcp_write import DcpWriter, _interned
 from ckptctl.formats.torchwrite import Pickle4, Global, dumps4, ref_dumps
-from ckptctl.ops.copier import CAST_STEP, CASTS, Cast, dtype_converter, object_payload, plain_value
+from ckptctl.convert.copier import CAST_STEP, CASTS, Cast, dtype_converter, object_payload, plain_value
 
 BITS = {"float32": np.uint32, "float64": np.uint64, "float16": np.uint16, "bfloat16": np.uint16}
 #: torch's NaN bits follow its vectorized loop on x86-64 (see copier's table); elsewhere

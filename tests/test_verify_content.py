@@ -198,7 +198,7 @@ def test_racing_sealer_on_a_server_without_if_none_match(torch_ckpts, tmp_path, 
     from ckptctl.errors import Finding
     from ckptctl.formats import open_checkpoint
     from ckptctl.formats.manifest import manifest_id
-    from ckptctl.ops.commit import commit, manifest_for
+    from ckptctl.writing.commit import commit, manifest_for
 
     d = copy_ckpt(torch_ckpts["tp"], tmp_path / "step-20")
     seal(str(d))  # hashes of these bytes, to hand both sealers
@@ -226,7 +226,7 @@ def test_racing_sealer_on_a_server_without_if_none_match(torch_ckpts, tmp_path, 
 
 def test_local_concurrent_seal_of_same_content_is_idempotent(torch_ckpts, tmp_path):
     from ckptctl.errors import Finding
-    from ckptctl.ops.commit import commit, manifest_for
+    from ckptctl.writing.commit import commit, manifest_for
     from ckptctl.formats import open_checkpoint
 
     d = copy_ckpt(torch_ckpts["tp"], tmp_path / "step-20")

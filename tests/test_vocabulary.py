@@ -18,7 +18,7 @@ import pytest
 
 from ckptctl import errors, ops
 from ckptctl.errors import EXIT_CODES, CkptError, ProblemCode, UsageError
-from ckptctl.ops.verify import PROBLEM_CODES
+from ckptctl.integrity.verify import PROBLEM_CODES
 
 ROOT = Path(__file__).resolve().parents[1]
 PKG = ROOT / "ckptctl"

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 from conftest import dcp_save, run_cli
 
-from ckptctl.config import load_config
+from ckptctl.tiering.config import load_config
 from ckptctl.formats.manifest import MANIFEST
 from ckptctl.formats.pack import is_pack
-from ckptctl.ops.policy import Item, Policy, apply_policy
-from ckptctl.ops.ls import ls
-from ckptctl.ops.verify import verify
-from ckptctl.ops.watch import Watcher, read_status, state_dir
+from ckptctl.tiering.policy import Item, Policy, apply_policy
+from ckptctl.catalog.ls import ls
+from ckptctl.integrity.verify import verify
+from ckptctl.service.watch import Watcher, read_status, state_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -155,7 +155,7 @@ def test_a_hop_committed_just_before_a_kill_is_logged_by_the_next_watcher(tmp_pa
     """SIGKILL between a hop's commit and its "promoted" event: the status still names
     the hop in flight; the next watcher finds it committed and logs it, so the event log
     explains the removal from hot that follows (the e2e kill test's rail check)."""
-    from ckptctl.ops.promote import promote
+    from ckptctl.tiering.promote import promote
 
     cfg = _config(tmp_path, hot_keep=1)
     hot = tmp_path / "hot"
@@ -320,7 +320,7 @@ def test_a_copy_of_the_config_does_not_run_a_second_watch(tmp_path):
     original runs (exit 2, one line naming its pid and config); --status of the copy shows
     the running watch; once that has stopped, the copy runs, and --status of either config
     shows the last watch of these tiers."""
-    from ckptctl.ops.watch import lock_holder
+    from ckptctl.service.watch import lock_holder
 
     cfg = _config(tmp_path, hot_keep=5, warm_keep=5)
     _step(tmp_path / "hot", 100)
@@ -485,8 +485,8 @@ def test_status_shows_plan_figures_from_what_watch_measured(tmp_path):
     """--status (text and --json) reports plan's figures from the hops watch timed and
     the checkpoints' arrival times: checked against plan's own arithmetic on the same
     numbers."""
-    from ckptctl.ops.plan import drain_seconds, local_capacity, node_bandwidth
-    from ckptctl.ops.watch import measured_plan
+    from ckptctl.tiering.plan import drain_seconds, local_capacity, node_bandwidth
+    from ckptctl.service.watch import measured_plan
 
     cfg = _config(tmp_path, hot_keep=5, warm_keep=5)
     hot = tmp_path / "hot"

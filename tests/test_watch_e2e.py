@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from s3server import fresh_fs, make_bucket, start_rclone
 
-from ckptctl.ops.ls import iso_utc, ls
-from ckptctl.ops.verify import verify
-from ckptctl.ops.watch import read_status
+from ckptctl.catalog.ls import iso_utc, ls
+from ckptctl.integrity.verify import verify
+from ckptctl.service.watch import read_status
 
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,8 +42,8 @@ def test_gc_keeps_what_appeared_after_the_callers_listing(tmp_path):
     checkpoints written meanwhile that had never reached warm. ``listed`` keeps them."""
     from conftest import dcp_save
 
-    from ckptctl.ops.gc import gc
-    from ckptctl.ops.policy import Policy
+    from ckptctl.tiering.gc import gc
+    from ckptctl.tiering.policy import Policy
 
     hot = tmp_path / "hot"
     for s in (100, 200, 300, 400):

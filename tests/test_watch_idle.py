@@ -21,9 +21,9 @@ import pytest
 from conftest import run_cli
 from test_watch import _config, _events, _names, _step, _wait_for
 
-from ckptctl.config import load_config
+from ckptctl.tiering.config import load_config
 from ckptctl.formats.manifest import MANIFEST
-from ckptctl.ops.watch import Watcher, wakes
+from ckptctl.service.watch import Watcher, wakes
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),

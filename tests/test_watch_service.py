@@ -27,9 +27,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from test_watch import _config, _names, _step, _wait_for
 
 from ckptctl.cli.watch_service import json_logger, systemd_unit
-from ckptctl.config import load_config
-from ckptctl.ops.metrics import WatchMetrics
-from ckptctl.ops.watch import Watcher, watch_alive
+from ckptctl.tiering.config import load_config
+from ckptctl.service.metrics import WatchMetrics
+from ckptctl.service.watch import Watcher, watch_alive
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "tests" / "fixtures" / "train_loop.py"
@@ -251,7 +251,7 @@ def test_watch_under_a_notify_socket_scraped_while_training_saves(tmp_path):
 def _drain_when(tmp_path: Path, cfg: Path, ready, *args: str) -> tuple[str, str]:
     """Start watch, send the drain signal once ``ready(status)``; it must exit 0 by
     itself: (stdout, stderr)."""
-    from ckptctl.ops.watch import read_status
+    from ckptctl.service.watch import read_status
 
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     proc = _watch(cfg, env, *args)
@@ -324,7 +324,7 @@ def test_the_template_unit_is_what_systemd_accepts(tmp_path):
 
 
 def test_heartbeat_pings_only_while_watch_makes_progress():
-    from ckptctl.ops.sdnotify import Heartbeat, Notifier
+    from ckptctl.service.sdnotify import Heartbeat, Notifier
 
     sd = NotifySocket()
     try:
@@ -345,7 +345,7 @@ def test_heartbeat_pings_only_while_watch_makes_progress():
 
 
 def test_notify_reaches_an_abstract_socket_and_ignores_a_watchdog_for_another_pid():
-    from ckptctl.ops.sdnotify import Notifier
+    from ckptctl.service.sdnotify import Notifier
 
     name = f"ckptctl-test-{os.getpid()}"
     s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)

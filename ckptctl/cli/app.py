@@ -99,7 +99,7 @@ def _global(
     del debug  # read from argv by main(), before parsing: it must hold on every error path
     set_timeout(timeout)  # UsageError (exit 2) unless > 0
     if config:  # checked now (exit 2), even when no TIER: is used
-        from ..config import find_config, load_config
+        from ..tiering.config import find_config, load_config
 
         load_config(find_config(config))
     forget_dead_servers()  # one command's verdicts on servers do not leak into the next

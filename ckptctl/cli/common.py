@@ -13,7 +13,7 @@ import sys
 import typer
 
 #: Version of every ``--json`` document (README, "JSON output"), kept with the vocabulary.
-from ..ops.vocabulary import SCHEMA_VERSION
+from ..catalog.vocabulary import SCHEMA_VERSION
 
 JsonOpt = typer.Option(False, "--json", help="Machine-readable output on stdout.")
 ForceOpt = typer.Option(False, "--force", help="Replace what a killed run left in DST, or "
@@ -49,7 +49,7 @@ def human_seconds(s: float | None) -> str:
     """
     if s is None:
         return "unknown"
-    from ..ops.policy import format_duration
+    from ..tiering.policy import format_duration
 
     return f"{s:,.1f} s" if s < 60 else f"{s:,.1f} s ({format_duration(s)})"
 
@@ -73,7 +73,7 @@ def console():
 
 def emit_json(doc: dict) -> None:
     """Print one ``--json`` document on stdout, ``schema_version`` first, every place in
-    it (:data:`~ckptctl.ops.vocabulary.LOCATION_KEYS`) shown as it was given
+    it (:data:`~ckptctl.catalog.vocabulary.LOCATION_KEYS`) shown as it was given
     (:func:`shown`)."""
     doc = shown_places({"schema_version": SCHEMA_VERSION, **doc})
     sys.stdout.write(json.dumps(doc, indent=2, default=str) + "\n")
@@ -171,14 +171,14 @@ def shown_text(text: str, places: list[str] | None = None) -> str:
 
 def shown_places(doc, places: list[str] | None = None):
     """``doc`` (a JSON document) with the value of every location key
-    (:data:`~ckptctl.ops.vocabulary.LOCATION_KEYS`) :func:`shown` as given, at any depth.
+    (:data:`~ckptctl.catalog.vocabulary.LOCATION_KEYS`) :func:`shown` as given, at any depth.
 
     >>> import os
     >>> shown_places({"url": os.path.abspath("r/s"), "problems": [
     ...     {"path": os.path.abspath("r/s/x"), "message": "m"}]}, ["r"])
     {'url': 'r/s', 'problems': [{'path': 'r/s/x', 'message': 'm'}]}
     """
-    from ..ops.vocabulary import LOCATION_KEYS
+    from ..catalog.vocabulary import LOCATION_KEYS
 
     places = given_places() if places is None else places
     if not places:
@@ -341,22 +341,22 @@ def storage_options(pairs: list[str] | None, flag: str = "--storage-option") -> 
 def current_config(ctx):
     """The tier config of this command line (the global ``--config`` read from the typer
     context ``ctx``, else ``$CKPTCTL_CONFIG``, else ``./ckptctl.toml``), read once per
-    command; an empty :class:`~ckptctl.config.Config` when there is none (``ctx`` None:
+    command; an empty :class:`~ckptctl.tiering.config.Config` when there is none (``ctx`` None:
     the variable and the working directory only).
 
     >>> current_config(None).tiers
     ()
     """
-    from ..config import find_config, load_config
+    from ..tiering.config import find_config, load_config
 
     ctx = ctx if ctx is not None else _running_context()
     root = ctx.find_root() if ctx is not None else None
-    if root is not None and "ckptctl.config" in root.meta:
-        return root.meta["ckptctl.config"]
+    if root is not None and "ckptctl.tiering.config" in root.meta:
+        return root.meta["ckptctl.tiering.config"]
     explicit = root.params.get("config") if root is not None else None
     cfg = load_config(find_config(explicit))
     if root is not None:
-        root.meta["ckptctl.config"] = cfg
+        root.meta["ckptctl.tiering.config"] = cfg
     return cfg
 
 
@@ -378,7 +378,7 @@ def _running_context():
 def resolve_place(ctx, text: str | None = None, common: list[str] | None = None,
                   own: list[str] | None = None, *, own_flag: str = "--storage-option"):
     """The one way a verb turns a URL, path, ``TIER:`` or ``TIER:NAME`` and its option
-    flags into a :class:`~ckptctl.config.Place` (url, storage_options, tier); ``ctx`` is
+    flags into a :class:`~ckptctl.tiering.config.Place` (url, storage_options, tier); ``ctx`` is
     the verb's ``typer.Context`` (it carries the global ``--config``). Called as
     ``resolve_place(text, common, own)`` it finds the running command's context itself.
 
@@ -392,7 +392,7 @@ def resolve_place(ctx, text: str | None = None, common: list[str] | None = None,
     >>> p.url, p.storage_options
     ('/data/step-1', {'endpoint_url': 'http://b:2', 'key': 'k'})
     """
-    from ..config import Place, merge_options, resolve, tier_reference
+    from ..tiering.config import Place, merge_options, resolve, tier_reference
 
     if isinstance(ctx, str):  # resolve_place(text, common, own)
         ctx, text, common, own = None, ctx, text, common
@@ -454,7 +454,7 @@ def complete_place(ctx: typer.Context, incomplete: str) -> list[str]:
     import glob
     import os
 
-    from ..config import tier_reference
+    from ..tiering.config import tier_reference
 
     try:
         tiers = current_config(ctx).tiers

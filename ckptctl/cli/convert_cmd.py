@@ -23,7 +23,7 @@ DropOpt = typer.Option(None, "--drop", metavar="NAME",
 
 def _consolidate_targets(incomplete: str) -> list[str]:
     """Shell completion of consolidate ``--to`` (read from the op only when completing)."""
-    from ..ops.consolidate import TARGETS
+    from ..convert.consolidate import TARGETS
 
     return [t for t in TARGETS if t.startswith(incomplete)]
 
@@ -76,7 +76,7 @@ def reshard(
           --dst-option endpoint_url=http://b:9000
     """
     from ..ops import reshard as do_reshard
-    from ..ops.distributed import Group
+    from ..writing.distributed import Group
 
     src_place = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
     dst_place = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")
@@ -124,7 +124,7 @@ def reshard(
 def _reshard_legacy(src_place, dst_place, mesh, drop, force, json, quiet) -> None:
     """reshard --to megatron-legacy: --mesh names tp (and pp) only."""
     from ..layout import parse_mesh
-    from ..ops.megatron_legacy import reshard_legacy
+    from ..convert.megatron_legacy_write import reshard_legacy
 
     m = parse_mesh(mesh or "")
     dims = dict(zip(m.names, m.sizes))
@@ -239,7 +239,7 @@ def consolidate(
           --to deepspeed-universal
     """
     from ..ops import consolidate as do_consolidate
-    from ..ops.distributed import Group
+    from ..writing.distributed import Group
 
     src_place = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
     dst_place = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")

@@ -87,7 +87,7 @@ def diff(
       ckptctl diff --atol 1e-6 --rtol 1e-3 --json a/ s3://runs/llama/step-12000
       ckptctl diff --cast hf-bf16/ ckpt/step-20 --map model.=  # bf16 vs fp32
     """
-    from ..ops.diff import diff as do_diff
+    from ..convert.diff import diff as do_diff
 
     pa = resolve_place(ctx, a, storage_option, a_option, own_flag="--a-option")
     pb = resolve_place(ctx, b, storage_option, b_option, own_flag="--b-option")
@@ -127,7 +127,7 @@ def render(r, *, stat: bool = False, limit: int = 20) -> None:
 def verdict(r) -> str:
     """The first line: the whole comparison in a few words.
 
-    >>> from ckptctl.ops.diff import DiffResult, EntryDiff
+    >>> from ckptctl.convert.diff import DiffResult, EntryDiff
     >>> rows = [EntryDiff(f"w{i}", "tensor", "identical", proof="bytes") for i in range(3)]
     >>> verdict(DiffResult(True, {}, {}, 0, 0, entries=rows, verdict="identical"))
     'identical: 3 tensors (bit for bit)'
@@ -141,7 +141,7 @@ def verdict(r) -> str:
     ...                    verdict="different"))
     'differ: 1 only in A (--common compares the 3 entries both hold)'
     """
-    from ..ops.diff import EQUAL, ONE_SIDED
+    from ..convert.diff import EQUAL, ONE_SIDED
 
     both = [e for e in r.entries if e.status not in ONE_SIDED]
     one = [f"{n:,} only in {s[-1].upper()}" for s in ONE_SIDED
@@ -174,12 +174,12 @@ def _of(n: int, total: int, kind: str) -> str:
 def stat_rows(r) -> list[list[str]]:
     """``--stat``: per state part, the entries equal, differing, only in A, only in B.
 
-    >>> from ckptctl.ops.diff import DiffResult
+    >>> from ckptctl.convert.diff import DiffResult
     >>> stat_rows(DiffResult(False, {}, {}, 0, 0, parts={"model": {"identical": 38,
     ...           "different": 1}, "optim": {"only_in_a": 135}}))
     [['model', '38', '1', '0', '0'], ['optim', '0', '0', '135', '0']]
     """
-    from ..ops.diff import EQUAL
+    from ..convert.diff import EQUAL
 
     rows = []
     for part, counts in r.parts.items():
@@ -192,7 +192,7 @@ def stat_rows(r) -> list[list[str]]:
 def summary(r) -> str:
     """The one-line count of a diff.
 
-    >>> from ckptctl.ops.diff import DiffResult
+    >>> from ckptctl.convert.diff import DiffResult
     >>> r = DiffResult(False, {}, {}, 0, 0, counts={"identical": 312, "different": 2,
     ...                "only_in_a": 1}, bytes_identical=3 << 29)
     >>> summary(r)
@@ -207,7 +207,7 @@ def summary(r) -> str:
 def detail(e) -> str:
     """What differs about one entry, in a few words.
 
-    >>> from ckptctl.ops.diff import EntryDiff
+    >>> from ckptctl.convert.diff import EntryDiff
     >>> detail(EntryDiff("w", "tensor", "different", max_abs_diff=0.5, rel_l2=0.01,
     ...                  fraction_changed=0.25))
     'max |a-b| 0.5, rel L2 0.01, 25% changed'

@@ -24,7 +24,7 @@ def _duration(positive: bool):
     def check(value: str | None) -> str | None:
         if value is not None:
             from ..errors import UsageError
-            from ..ops.policy import parse_duration
+            from ..tiering.policy import parse_duration
 
             try:
                 seconds = parse_duration(value)
@@ -40,7 +40,7 @@ def _policy(place, keep_last, keep_every, keep_within, keep_hourly, keep_daily, 
     """The policy from the --keep-* flags; with none, a tier's ``keep`` table (a tier
     without one keeps everything: nothing to do, refused like an empty policy)."""
     from ..errors import UsageError
-    from ..ops.policy import Policy, parse_duration
+    from ..tiering.policy import Policy, parse_duration
 
     flags = dict(last=keep_last, every=keep_every, hourly=keep_hourly, daily=keep_daily,
                  within=None if keep_within is None else parse_duration(keep_within),
@@ -120,10 +120,10 @@ def gc(
       ckptctl gc warm:                     # the keep table of tier "warm"
       ckptctl gc cold: --dry-run           # a pack tier: which packs re-root
     """
-    from ..config import DEFAULT_MAX_CHAIN
-    from ..ops.gc import gc as do_gc
-    from ..ops.ownership import foreign_list
-    from ..ops.policy import DEFAULT_GRACE, parse_duration
+    from ..tiering.config import DEFAULT_MAX_CHAIN
+    from ..tiering.gc import gc as do_gc
+    from ..catalog.ownership import foreign_list
+    from ..tiering.policy import DEFAULT_GRACE, parse_duration
 
     place = resolve_place(root, storage_option)
     policy = _policy(place, keep_last, keep_every, keep_within, keep_hourly, keep_daily,
@@ -213,7 +213,7 @@ def latest(
       ckptctl latest --verified s3://runs/llama -o endpoint_url=http://minio:9000
     """
     from ..errors import Finding
-    from ..ops.latest import latest as do_latest
+    from ..tiering.latest import latest as do_latest
 
     place = resolve_place(root, storage_option)
     r = do_latest(place.url, place.storage_options, verified=verified)
@@ -264,7 +264,7 @@ def rm(
       ckptctl rm /lustre/run1/step-1000
       ckptctl rm s3://runs/llama/step-500 --force     # even though pinned
     """
-    from ..ops.remove import remove
+    from ..tiering.rm import remove
 
     place = resolve_place(url, storage_option)
     r = remove(place.url, place.storage_options, force=force,
@@ -296,7 +296,7 @@ def pin(
     EXAMPLES
       ckptctl pin /lustre/run1/step-12000 --reason "paper results"
     """
-    from ..ops.pins import pin as do_pin
+    from ..tiering.pins import pin as do_pin
 
     place = resolve_place(url, storage_option)
     r = do_pin(place.url, reason, place.storage_options)
@@ -321,7 +321,7 @@ def unpin(
     EXAMPLES
       ckptctl unpin /lustre/run1/step-12000
     """
-    from ..ops.pins import unpin as do_unpin
+    from ..tiering.pins import unpin as do_unpin
 
     place = resolve_place(url, storage_option)
     r = do_unpin(place.url, place.storage_options)

@@ -62,8 +62,8 @@ def pack(
           --base s3://cold/run1/step-11000
       ckptctl pack ckpt/step-3000 packs/step-3000 --base ckpt/step-2000 --json
     """
-    from ..ops.distributed import Group
-    from ..ops.pack import pack as do_pack
+    from ..writing.distributed import Group
+    from ..packs.pack import pack as do_pack
 
     group = Group.from_env()  # under torchrun/srun: each process its share of data files
     src_place = resolve_place(ctx, src, storage_option, src_option, own_flag="--src-option")
@@ -130,7 +130,7 @@ def unpack(
       ckptctl unpack s3://cold/run1/step-12000 /nvme/step-12000 --json
       ckptctl unpack packs/step-2000 out/ --base /archive/step-1000
     """
-    from ..ops.pack import unpack as do_unpack
+    from ..packs.pack import unpack as do_unpack
 
     src_place = resolve_place(ctx, pack_, storage_option, src_option, own_flag="--src-option")
     dst_place = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")

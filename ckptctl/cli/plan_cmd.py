@@ -45,7 +45,7 @@ def _duration(flag: str, text: str | None) -> float | None:
     (10080.0, None)
     """
     from ..errors import UsageError
-    from ..ops.policy import parse_duration
+    from ..tiering.policy import parse_duration
 
     if text is None:
         return None
@@ -177,9 +177,9 @@ def plan(
           --measure hot --measure warm --json
     """
     from ..errors import UsageError
-    from ..ops.plan import TierInput, checkpoint_size as measure_size_of, measure_tier
-    from ..ops.plan import nodes_from_gpus
-    from ..ops.plan import plan as do_plan
+    from ..tiering.plan import TierInput, checkpoint_size as measure_size_of, measure_tier
+    from ..tiering.plan import nodes_from_gpus
+    from ..tiering.plan import plan as do_plan
     from .common import current_config, resolve_place
 
     if checkpoint_size is None and checkpoint is None:
@@ -253,7 +253,7 @@ def _long(seconds: float) -> str:
 
 
 def _show(r) -> None:
-    from ..ops.policy import format_duration
+    from ..tiering.policy import format_duration
 
     src = f" ({r.checkpoint_url})" if r.checkpoint_url else ""
     if r.save_source == "write-bandwidth":

@@ -78,8 +78,8 @@ def promote(
           --src-option endpoint_url=http://a:9000 \\
           --dst-option endpoint_url=http://b:9000
     """
-    from ..ops.distributed import Group
-    from ..ops.promote import promote as do_promote
+    from ..writing.distributed import Group
+    from ..tiering.promote import promote as do_promote
     from ..units import parse_size
 
     if old_level is not None:  # promote --level was renamed (issue 21): verify's is a depth

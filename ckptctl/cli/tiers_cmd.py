@@ -39,9 +39,9 @@ def tiers(
       ckptctl tiers --no-check
       ckptctl ls warm: && ckptctl inspect cold:step-12000
     """
-    from ..config import CONFIG_ENV, CONFIG_NAME
+    from ..tiering.config import CONFIG_ENV, CONFIG_NAME
     from ..errors import UsageError
-    from ..ops.tiers import check_tiers
+    from ..tiering.tiers import check_tiers
     from .common import current_config
 
     config = current_config(ctx)

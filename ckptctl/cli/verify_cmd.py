@@ -77,7 +77,7 @@ def verify(
     from ..errors import UsageError
     from ..formats.detect import several
     from ..ops import verify as do_verify
-    from ..ops.distributed import Group
+    from ..writing.distributed import Group
 
     place = resolve_place(ctx, url, storage_option)
     if all_:
@@ -123,7 +123,7 @@ def verdict(r) -> str:
     """A verify result in words: ``OK``, ``OK, 1 warning``, ``3 problems``, ``3 problems
     (2 errors, 1 warning)``, or ``1 problem (a warning, --strict)``.
 
-    >>> from ckptctl.ops.verify import Problem, VerifyResult
+    >>> from ckptctl.integrity.verify import Problem, VerifyResult
     >>> w = Problem("EXTRA_FILE", "warning", "NOTES.md", None, "not listed in the manifest")
     >>> r = VerifyResult(True, "quick", "ck", "dcp", True, problems=[w])
     >>> verdict(r.judge()), verdict(r.judge(strict=True))
@@ -142,7 +142,7 @@ def verdict(r) -> str:
 def _verify_all(place, *, level: str, require, check_finite: bool, sample, workers: int,
                 json: bool, quiet: bool, strict: bool) -> None:
     """``verify --all``: one row per checkpoint, the problems of those that have any."""
-    from ..ops.verify import verify_all
+    from ..integrity.verify import verify_all
 
     with byte_progress("verify", enabled=level == "full" and not (json or quiet)) as bar:
         r = verify_all(place.url, place.storage_options, level=level, require=require,
@@ -187,7 +187,7 @@ def problem_rows(problems: list, first: int = 3, *, within: str | None = None
     ``(+N more)`` row (``--json`` keeps every problem). Paths are shown relative to the
     place ``within`` (the checkpoint, or the root of ``--all``: :func:`relative_to`).
 
-    >>> from ckptctl.ops.verify import Problem
+    >>> from ckptctl.integrity.verify import Problem
     >>> ps = [Problem("SIZE_MISMATCH", "error", f"ck/f{i}", None, "short") for i in range(5)]
     >>> for row in problem_rows(ps + [Problem("STRAY_TEMP", "warning", "ck/t", None, "x")],
     ...                         within="ck"):

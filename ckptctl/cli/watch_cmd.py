@@ -116,9 +116,9 @@ def watch(
       ckptctl watch --metrics-file /var/lib/ckptctl.prom --log-format json
       ckptctl watch --print-unit > /etc/systemd/system/ckptctl-watch@.service
     """
-    from ..config import CONFIG_ENV, CONFIG_NAME
+    from ..tiering.config import CONFIG_ENV, CONFIG_NAME
     from ..errors import UsageError
-    from ..ops.watch import Watcher, lower_priority
+    from ..service.watch import Watcher, lower_priority
     from .common import current_config
 
     if print_unit:
@@ -131,19 +131,19 @@ def watch(
         raise UsageError(f"no tier config: pass --config FILE, set {CONFIG_ENV} or create "
                          f"./{CONFIG_NAME}")
     if node_rank is None:
-        from ..ops.multinode import node_rank_from_env
+        from ..service.multinode import node_rank_from_env
 
         node_rank = node_rank_from_env()
     if ready:
-        from ..ops.watch import watch_ready
+        from ..service.watch import watch_ready
 
         if not watch_ready(config, node_rank):
             raise typer.Exit(EXIT_FINDING)
         return
     if status:
-        from ..ops.watch import measured_plan, watch_status
+        from ..service.watch import measured_plan, watch_status
 
-        from ..ops.watch import watch_alive
+        from ..service.watch import watch_alive
 
         ran, doc = watch_status(config, node_rank)  # a running watch of a copy: its status
         figures = measured_plan(ran, doc)
@@ -155,7 +155,7 @@ def watch(
             _print_status(ran.path, doc, pid, rates=figures is None)
             _print_plan(figures)
         return
-    from ..ops.sdnotify import Notifier
+    from ..service.sdnotify import Notifier
     from .watch_service import Drain, parse_signal
 
     if log_format not in ("text", "json"):
@@ -222,7 +222,7 @@ def _serve(w, config, notifier, metrics_file, metrics_addr, log_format):
     metrics (None without them)."""
     import time
 
-    from ..ops.sdnotify import Heartbeat
+    from ..service.sdnotify import Heartbeat
     from .watch_service import json_logger, notify_listener
 
     names = [t.name for t in config.tiers]
@@ -230,7 +230,7 @@ def _serve(w, config, notifier, metrics_file, metrics_addr, log_format):
     if log_format == "json":
         w.listeners.append(json_logger())
     if metrics_file or metrics_addr:
-        from ..ops.metrics import WatchMetrics
+        from ..service.metrics import WatchMetrics
 
         m = WatchMetrics(names, path=metrics_file, addr=metrics_addr,
                          warn=_warner(log_format))
@@ -260,7 +260,7 @@ def _warner(log_format: str):
             import json
             import time
 
-            from ..ops.watch import iso_time
+            from ..service.watch import iso_time
 
             line = {"time": iso_time(time.time()), "level": "warning", "event": "warning",
                     "reason": msg}

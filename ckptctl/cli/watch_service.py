@@ -1,5 +1,5 @@
 """``watch`` as a service: JSON-lines logs, systemd notify messages and the pre-emption
-signal, wired onto a :class:`~ckptctl.ops.watch.Watcher`'s event listeners.
+signal, wired onto a :class:`~ckptctl.service.watch.Watcher`'s event listeners.
 
 >>> import io; out = io.StringIO()
 >>> json_logger(out)({"time": "2026-01-01T00:00:00Z", "event": "failed", "what": "promote",
@@ -51,7 +51,7 @@ def notify_listener(notifier, tiers: list[str]):
     """A listener that tells the service manager: ``READY=1`` once the first tier has
     been listed (or the first pass ended), ``STATUS=`` what watch does now.
 
-    >>> from ckptctl.ops.sdnotify import Notifier
+    >>> from ckptctl.service.sdnotify import Notifier
     >>> notify_listener(Notifier({}), ["hot"])({"event": "listed", "tier": "hot"})
     """
     ready = threading.Event()

@@ -1,5 +1,6 @@
-"""Formats: readers that map DCP, safetensors (single + HF), torch.save and packs onto the
-logical model, plus format detection.
+"""Formats: readers that map DCP, safetensors (single + HF), torch.save, DeepSpeed, Megatron
+and packs onto the logical model, the byte-level writers, and format detection.
+Imports storage and the foundations (model, errors, layout, ...) only.
 
 >>> from ckptctl.formats import open_checkpoint
 >>> open_checkpoint.__module__

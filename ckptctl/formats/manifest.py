@@ -1,7 +1,7 @@
 """The ckptctl manifest, ``ckptctl.manifest.json``: the commit marker of a sealed checkpoint.
 
 A :class:`Manifest` is parsed (bounded, validated: every file a safe relative path with a
-size and a hash) and serialised here; ``ops/commit.py`` builds one from what a writer
+size and a hash) and serialised here; ``writing/commit.py`` builds one from what a writer
 wrote and commits it. Its :attr:`~Manifest.id` comes from content alone.
 
 >>> m = Manifest.parse(b'{"hash": "xxh3-128", "files": {"a.bin": {"size": 3, "hash": "ab"}}}', "x")
@@ -19,7 +19,7 @@ from .limits import load_json
 
 MANIFEST = "ckptctl.manifest.json"
 MAX_MANIFEST_BYTES = 256 << 20
-#: Written first and removed last by every ckptctl writer (ops/output.py): while it is
+#: Written first and removed last by every ckptctl writer (writing/output.py): while it is
 #: there, the folder is an unfinished write whatever else it holds.
 WRITING_MARKER = ".ckptctl-writing"
 #: A local promote builds ``.NAME`` + this beside its destination and renames it into
@@ -39,7 +39,7 @@ SIDECAR_SUFFIXES = {MANIFEST: ".ckptctl.manifest.json", WRITING_MARKER: ".ckptct
 #: What a single-file checkpoint's name ends with (formats/locate.py: ``file_format``).
 _SINGLE_SUFFIXES = (".safetensors", ".pt", ".pth", ".bin", ".ckpt")
 #: A delta pack in another root needs this checkpoint as its base: one small file per
-#: pack, ``.ckptctl-needed-by.<hash of the pack's URL>`` (ops/ownership.py); bound to
+#: pack, ``.ckptctl-needed-by.<hash of the pack's URL>`` (catalog/ownership.py); bound to
 #: this place like a pin, so never copied and never part of a manifest.
 NEEDED_BY_PREFIX = ".ckptctl-needed-by."
 

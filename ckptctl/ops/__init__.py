@@ -1,68 +1,58 @@
-"""The library: every verb as a function that returns a result dataclass.
+"""Every verb as a library call, one import away: ``from ckptctl.ops import verify, promote``.
 
-``ops`` never prints; the CLI renders what these return.
+A face over the domain packages (:mod:`ckptctl.catalog`, :mod:`ckptctl.integrity`,
+:mod:`ckptctl.convert`, :mod:`ckptctl.packs`, :mod:`ckptctl.tiering`, :mod:`ckptctl.service`)
+that holds no code of its own; nothing inside ckptctl imports it.
 
 >>> from ckptctl.ops import promote, reshard
 >>> promote.__module__, reshard.__module__
-('ckptctl.ops.promote', 'ckptctl.ops.reshard')
+('ckptctl.tiering.promote', 'ckptctl.convert.reshard')
 
 Names are imported on first use, not with the package: a command pays only for the verb
-it runs (``ckptctl latest`` needs neither numpy nor the conversions). A verb and the
-module that holds it share a name (``ckptctl.ops.reshard``); the package attribute is
-always the verb, as it was when everything was imported eagerly.
+it runs (``ckptctl latest`` needs neither numpy nor the conversions). Every verb returns a
+result dataclass and never prints; the CLI renders what these return.
 """
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 
-#: public name -> the module (under ckptctl.ops) that defines it
+#: public name -> the module (under ckptctl) that defines it
 _EXPORTS = {
-    **dict.fromkeys(["ConsolidateResult", "consolidate"], "consolidate"),
-    **dict.fromkeys(["DiffResult", "EntryDiff", "diff"], "diff"),
-    **dict.fromkeys(["Group"], "distributed"),
-    **dict.fromkeys(["InspectResult", "inspect", "summarize"], "inspect"),
-    **dict.fromkeys(["ReshardResult", "reshard"], "reshard"),
-    **dict.fromkeys(["GcResult", "gc"], "gc"),
-    **dict.fromkeys(["LatestResult", "latest"], "latest"),
-    **dict.fromkeys(["LsResult", "ls"], "ls"),
-    **dict.fromkeys(["PackResult", "UnpackResult", "pack", "unpack"], "pack"),
-    **dict.fromkeys(["PinResult", "pin", "unpin"], "pins"),
-    **dict.fromkeys(["Decision", "Item", "Policy", "apply_policy", "parse_duration"], "policy"),
+    **dict.fromkeys(["ConsolidateResult", "consolidate"], "convert.consolidate"),
+    **dict.fromkeys(["DiffResult", "EntryDiff", "diff"], "convert.diff"),
+    **dict.fromkeys(["Group"], "writing.distributed"),
+    **dict.fromkeys(["InspectResult", "inspect", "summarize"], "catalog.inspect"),
+    **dict.fromkeys(["ReshardResult", "reshard"], "convert.reshard"),
+    **dict.fromkeys(["GcResult", "gc"], "tiering.gc"),
+    **dict.fromkeys(["LatestResult", "latest"], "tiering.latest"),
+    **dict.fromkeys(["LsResult", "ls"], "catalog.ls"),
+    **dict.fromkeys(["PackResult", "UnpackResult", "pack", "unpack"], "packs.pack"),
+    **dict.fromkeys(["PinResult", "pin", "unpin"], "tiering.pins"),
+    **dict.fromkeys(["Decision", "Item", "Policy", "apply_policy", "parse_duration"], "tiering.policy"),
     **dict.fromkeys(["Measurement", "PlanResult", "TierInput", "measure_tier", "plan",
-                     "young_daly"], "plan"),
-    **dict.fromkeys(["PromoteResult", "promote"], "promote"),
-    **dict.fromkeys(["RemoveResult", "remove_checkpoint"], "remove"),
-    **dict.fromkeys(["SealResult", "seal"], "seal"),
-    **dict.fromkeys(["checkpoint_state"], "state"),
-    **dict.fromkeys(["TierCheck", "TiersResult", "check_tiers"], "tiers"),
+                     "young_daly"], "tiering.plan"),
+    **dict.fromkeys(["PromoteResult", "promote"], "tiering.promote"),
+    **dict.fromkeys(["RemoveResult", "remove_checkpoint"], "writing.removal"),
+    **dict.fromkeys(["remove"], "tiering.rm"),
+    **dict.fromkeys(["SealResult", "seal"], "integrity.seal"),
+    **dict.fromkeys(["checkpoint_state"], "catalog.state"),
+    **dict.fromkeys(["TierCheck", "TiersResult", "check_tiers"], "tiering.tiers"),
     **dict.fromkeys(["PROBLEM_CODES", "Problem", "VerifyAllResult", "VerifyResult", "verify",
-                     "verify_all"], "verify"),
+                     "verify_all"], "integrity.verify"),
     **dict.fromkeys(["MeasuredPlan", "WatchPass", "Watcher", "lower_priority",
-                     "measured_plan", "read_status", "state_dir"], "watch"),
+                     "measured_plan", "read_status", "state_dir"], "service.watch"),
 }
 __all__ = sorted(_EXPORTS)
 
 
-class _LazyOps(types.ModuleType):
-    def __getattr__(self, name: str):
-        module = _EXPORTS.get(name)
-        if module is None:
-            raise AttributeError(f"module {self.__name__!r} has no attribute {name!r}")
-        value = getattr(importlib.import_module(f"{self.__name__}.{module}"), name)
-        super().__setattr__(name, value)
-        return value
-
-    def __setattr__(self, name: str, value) -> None:
-        # importing ckptctl.ops.reshard sets the package's ``reshard`` to the module:
-        # the verb of that name keeps it (``from ckptctl.ops import reshard`` is the verb)
-        if name in _EXPORTS and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-    def __dir__(self):
-        return sorted(set(super().__dir__()) | set(_EXPORTS))
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"ckptctl.{module}"), name)
+    globals()[name] = value
+    return value
 
 
-sys.modules[__name__].__class__ = _LazyOps
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -1,6 +1,8 @@
 """Storage: fsspec URL -> :class:`Store` (ranged reads, listing, safe paths, atomic
 commit, streaming writes, multipart uploads, server-side copy, ordered deletes), streaming
-content hashes, a shared rate limiter and retries with backoff."""
+content hashes, a shared rate limiter and retries with backoff.
+
+Imports the foundations (errors, units) only: nothing here knows a checkpoint format."""
 from .hashing import ALGORITHMS, HashBehind, HashingWriter, digest_bytes, hash_file, new_hasher, normalize_algo
 from .ratelimit import RateLimiter, parse_rate
 from .retry import is_transient, with_retries

@@ -1,5 +1,5 @@
 """Read-modify-write of one small file that concurrent writers cannot lose: the storage
-side of ``seal``'s tag merge (:mod:`ckptctl.ops.seal`).
+side of ``seal``'s tag merge (:mod:`ckptctl.integrity.seal`).
 
 - POSIX: :func:`folder_lock` holds an exclusive ``flock`` on the folder around the read
   and the replace; a first write is exclusive (``link``) anyway.

@@ -125,7 +125,7 @@ class Transfer:
 
     def flush(self) -> None:
         """Publish the small files staged so far (:meth:`Store.publish_staged`) and
-        journal them. :func:`~ckptctl.ops.promote.copy_files` calls it once its files are
+        journal them. :func:`~ckptctl.tiering.promote.copy_files` calls it once its files are
         copied; :meth:`copy` calls it every :data:`STAGE_FILES` files or
         :data:`STAGE_BYTES` bytes, so a kill costs a rerun at most that much."""
         with self._flush_lock:
