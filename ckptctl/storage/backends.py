@@ -9,7 +9,8 @@ from __future__ import annotations
 from .filesystems import make_filesystem
 from .local_store import LocalStore
 from .s3_store import S3Store
-from .store import Store, split_url
+from .store import Store
+from .urls import split_url
 
 
 def open_store(url: str, storage_options: dict | None = None) -> "Store":

@@ -15,13 +15,10 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Iterable, Protocol
 
 from ..errors import UsageError
 from .localio import start_writeback
-
-if TYPE_CHECKING:  # store.py imports this module: only the type, never at run time
-    from .store import Store
 
 ALGORITHMS = ("xxh3-128", "sha256")
 BLOCK = 8 << 20  # 8 MiB: large enough for the hashers, small enough to keep memory flat
@@ -51,9 +48,22 @@ def digest_bytes(data: bytes, algo: str = "xxh3-128") -> str:
     return h.hexdigest()
 
 
-def hash_file(store: Store, rel: str, algo: str = "xxh3-128",
+class BlockReader(Protocol):
+    """What :func:`hash_file` reads from: anything with a store's streamed read,
+    :meth:`~ckptctl.storage.store.Store.iter_blocks` (a store, a pack's
+    :class:`~ckptctl.formats.pack.PackStore`). This module sits below the stores: the
+    stores' writes hash with it, so it names no store class."""
+
+    def iter_blocks(self, rel: str, *, block: int = ...,
+                    on_bytes: Callable[[int], None] | None = None
+                    ) -> Iterable[bytes | memoryview]:
+        """The bytes of ``rel`` in order, ``block`` bytes at a time."""
+
+
+def hash_file(store: BlockReader, rel: str, algo: str = "xxh3-128",
               on_bytes: Callable[[int], None] | None = None) -> tuple[str, int]:
-    """(hex digest, bytes hashed) of one file, streamed by :meth:`Store.iter_blocks`.
+    """(hex digest, bytes hashed) of one file, streamed by the store's ``iter_blocks``
+    (:meth:`~ckptctl.storage.store.Store.iter_blocks`).
 
     >>> import tempfile, pathlib
     >>> from ckptctl.storage import open_store

@@ -21,7 +21,10 @@ from typing import Callable, Iterator
 
 from ..errors import UnsafeInputError
 from .localio import read_at, sync_dir, sync_files
-from .store import Capabilities, Store, already_exists, safe_relpath
+from .store import Store
+from .store_commit import already_exists
+from .store_core import Capabilities
+from .urls import safe_relpath
 
 #: Descriptors a local store keeps open for ranged reads before it recycles them.
 MAX_OPEN_FILES = 256
@@ -310,7 +313,8 @@ def _walk_local(base: str) -> dict[str, dict]:
     left out, an entry gone meanwhile skipped.
 
     >>> import tempfile, pathlib
-    >>> d = tempfile.mkdtemp(); _ = pathlib.Path(d, "a").mkdir(), pathlib.Path(d, "a", "x").write_bytes(b"12")
+    >>> d = tempfile.mkdtemp(); pathlib.Path(d, "a").mkdir()
+    >>> _ = pathlib.Path(d, "a", "x").write_bytes(b"12")
     >>> [(k[len(d):], v["size"]) for k, v in _walk_local(d).items()]
     [('/a/x', 2)]
     """

@@ -15,7 +15,9 @@ from typing import Iterator
 
 from ..errors import CkptError, StorageError, shorten
 from .failures import scrub
-from .store import Capabilities, Store, already_exists
+from .store import Store
+from .store_commit import already_exists
+from .store_core import Capabilities
 
 #: Keys per S3 DeleteObjects request (the API's maximum).
 DELETE_BATCH = 1000
