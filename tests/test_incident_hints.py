@@ -23,7 +23,9 @@ from conftest import dcp_save, run_cli
 
 from ckptctl.tiering.config import load_config
 from ckptctl.formats.manifest import WRITING_MARKER
-from ckptctl.service.watch import Watcher, measured_plan, read_status
+from ckptctl.service.drains import measured_plan
+from ckptctl.service.status import read_status
+from ckptctl.service.watch import Watcher
 
 
 @pytest.fixture(autouse=True)
@@ -358,7 +360,7 @@ def test_a_hop_that_moved_nothing_measures_no_rate(tmp_path):
 
 
 def test_drain_rate_counts_what_the_hop_carried():
-    from ckptctl.service.watch import drain_rate
+    from ckptctl.service.drains import drain_rate
 
     assert drain_rate(1000, 250, 1.0, pack=False) == 250.0  # a resumed copy
     assert drain_rate(1000, 100, 2.0, pack=True) == 500.0   # a delta pack: S over its time

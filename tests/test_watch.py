@@ -21,7 +21,8 @@ from ckptctl.formats.pack import is_pack
 from ckptctl.tiering.policy import Item, Policy, apply_policy
 from ckptctl.catalog.ls import ls
 from ckptctl.integrity.verify import verify
-from ckptctl.service.watch import Watcher, read_status, state_dir
+from ckptctl.service.status import read_status, state_dir
+from ckptctl.service.watch import Watcher
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -320,7 +321,7 @@ def test_a_copy_of_the_config_does_not_run_a_second_watch(tmp_path):
     original runs (exit 2, one line naming its pid and config); --status of the copy shows
     the running watch; once that has stopped, the copy runs, and --status of either config
     shows the last watch of these tiers."""
-    from ckptctl.service.watch import lock_holder
+    from ckptctl.service.status import lock_holder
 
     cfg = _config(tmp_path, hot_keep=5, warm_keep=5)
     _step(tmp_path / "hot", 100)
@@ -486,7 +487,7 @@ def test_status_shows_plan_figures_from_what_watch_measured(tmp_path):
     the checkpoints' arrival times: checked against plan's own arithmetic on the same
     numbers."""
     from ckptctl.tiering.plan import drain_seconds, local_capacity, node_bandwidth
-    from ckptctl.service.watch import measured_plan
+    from ckptctl.service.drains import measured_plan
 
     cfg = _config(tmp_path, hot_keep=5, warm_keep=5)
     hot = tmp_path / "hot"

@@ -19,7 +19,7 @@ from s3server import fresh_fs, make_bucket, start_rclone
 
 from ckptctl.catalog.ls import iso_utc, ls
 from ckptctl.integrity.verify import verify
-from ckptctl.service.watch import read_status
+from ckptctl.service.status import read_status
 
 
 ROOT = Path(__file__).resolve().parent.parent

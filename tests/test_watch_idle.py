@@ -23,7 +23,8 @@ from test_watch import _config, _events, _names, _step, _wait_for
 
 from ckptctl.tiering.config import load_config
 from ckptctl.formats.manifest import MANIFEST
-from ckptctl.service.watch import Watcher, wakes
+from ckptctl.service.wakes import wakes
+from ckptctl.service.watch import Watcher
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),

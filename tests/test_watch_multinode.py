@@ -20,7 +20,8 @@ from ckptctl.formats.manifest import MANIFEST
 from ckptctl.catalog.ls import ls
 from ckptctl.service.multinode import node_rank_from_env
 from ckptctl.integrity.verify import verify
-from ckptctl.service.watch import Watcher, state_dir
+from ckptctl.service.status import state_dir
+from ckptctl.service.watch import Watcher
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +128,8 @@ def test_two_nodes_interleaved_local(tmp_path, order):
     assert p.sealed == ["step-100"]
     _check_done(ws, warm, opts, tmp_path, files)
     # each node's part copy is timed: --status's plan figures are per node (S = its part)
-    from ckptctl.service.watch import measured_plan, read_status
+    from ckptctl.service.drains import measured_plan
+    from ckptctl.service.status import read_status
 
     for w in ws:
         st = read_status(w.config.path, w.node_rank)
@@ -287,7 +289,7 @@ def test_two_nodes_with_watcher_killed_mid_copy_and_s3_restarted(tmp_path):
     verify at level full; the older one's parts are trimmed from both hot tiers."""
     from s3server import make_bucket, start_rclone
 
-    from ckptctl.service.watch import read_status
+    from ckptctl.service.status import read_status
 
     files = {s: _split(tmp_path, s, rows=8192) for s in (100, 200)}  # ~1 MiB per tensor
     bucket, root = "nodes", tmp_path / "s3root"

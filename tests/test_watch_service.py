@@ -29,7 +29,8 @@ from test_watch import _config, _names, _step, _wait_for
 from ckptctl.cli.watch_service import json_logger, systemd_unit
 from ckptctl.tiering.config import load_config
 from ckptctl.service.metrics import WatchMetrics
-from ckptctl.service.watch import Watcher, watch_alive
+from ckptctl.service.status import watch_alive
+from ckptctl.service.watch import Watcher
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = ROOT / "tests" / "fixtures" / "train_loop.py"
@@ -251,7 +252,7 @@ def test_watch_under_a_notify_socket_scraped_while_training_saves(tmp_path):
 def _drain_when(tmp_path: Path, cfg: Path, ready, *args: str) -> tuple[str, str]:
     """Start watch, send the drain signal once ``ready(status)``; it must exit 0 by
     itself: (stdout, stderr)."""
-    from ckptctl.service.watch import read_status
+    from ckptctl.service.status import read_status
 
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
     proc = _watch(cfg, env, *args)

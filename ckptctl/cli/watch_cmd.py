@@ -135,15 +135,14 @@ def watch(
 
         node_rank = node_rank_from_env()
     if ready:
-        from ..service.watch import watch_ready
+        from ..service.status import watch_ready
 
         if not watch_ready(config, node_rank):
             raise typer.Exit(EXIT_FINDING)
         return
     if status:
-        from ..service.watch import measured_plan, watch_status
-
-        from ..service.watch import watch_alive
+        from ..service.drains import measured_plan
+        from ..service.status import watch_alive, watch_status
 
         ran, doc = watch_status(config, node_rank)  # a running watch of a copy: its status
         figures = measured_plan(ran, doc)
@@ -260,7 +259,7 @@ def _warner(log_format: str):
             import json
             import time
 
-            from ..service.watch import iso_time
+            from ..service.results import iso_time
 
             line = {"time": iso_time(time.time()), "level": "warning", "event": "warning",
                     "reason": msg}

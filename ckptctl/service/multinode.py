@@ -28,6 +28,8 @@ import time
 from ..errors import CkptError
 from ..formats.manifest import FileEntry, Manifest, is_control_file, is_temp_name
 from ..tiering.policy import COMMITTED
+from .drains import record_arrival
+from .trims import trim
 
 #: The env variables launchers set to a node's rank, each with its node count (torchrun,
 #: generic launchers, Slurm).
@@ -83,8 +85,8 @@ def copy_part(src_url: str, dst_url: str, src_options: dict | None, dst_options:
     from ..storage.journal import Journal
     from ..storage.ratelimit import RateLimiter, parse_rate
     from ..storage.transfer import Transfer
-    from ..writing.commit import is_format_marker, write_order
     from ..tiering.promote import copy_files
+    from ..writing.commit import is_format_marker, write_order
 
     src, dst = open_store(src_url, src_options), open_store(dst_url, dst_options)
     files = _part_files(src)
@@ -130,7 +132,7 @@ def node_pass(w, p, only: str | None = None) -> list:
     from ..integrity.seal import seal
 
     hot_tier, shared_tier = w.config.tiers[0], w.config.tiers[1]
-    hot, shared = w._list(p, hot_tier), w._list(p, shared_tier)
+    hot, shared = w.list_tier(p, hot_tier), w.list_tier(p, shared_tier)
     if hot is None or shared is None:
         return [hot, shared]
     now = w.clock()
@@ -142,9 +144,9 @@ def node_pass(w, p, only: str | None = None) -> list:
         old = seen.get(name)
         if old is None:
             p.found.append(name)
-            w._event("found", tier=hot_tier.name, name=name, state=r.state, bytes=r.bytes,
-                     node_rank=w.node_rank)
-            w._arrived(name, r, now)
+            w.event("found", tier=hot_tier.name, name=name, state=r.state, bytes=r.bytes,
+                    node_rank=w.node_rank)
+            record_arrival(w.status, name, r, now)
         if old is None or old["sig"] != sig:
             seen[name] = old = {"sig": sig, "since": now}
         if name in shared and shared[name].state in COMMITTED:
@@ -153,7 +155,7 @@ def node_pass(w, p, only: str | None = None) -> list:
             p.pending.append({"tier": hot_tier.name, "name": name, "why": "settling"})
             continue
         key = f"part {hot_tier.name}->{shared_tier.name}:{name}"
-        waiting = w._waiting(key, now)
+        waiting = w.backing_off(key, now)
         if waiting is not None:
             p.failed.append(waiting)
             continue
@@ -170,27 +172,27 @@ def node_pass(w, p, only: str | None = None) -> list:
                 changed = True
                 _done(w, name, hot_tier.name, shared_tier.name,
                       sum(n for _, n in hashes.values()), seconds)
-                w._event("part-promoted", name=name, src=hot_tier.name, dst=shared_tier.name,
-                         node_rank=w.node_rank, files=len(hashes),
-                         bytes=sum(n for _, n in hashes.values()), seconds=round(seconds, 3))
+                w.event("part-promoted", name=name, src=hot_tier.name, dst=shared_tier.name,
+                        node_rank=w.node_rank, files=len(hashes),
+                        bytes=sum(n for _, n in hashes.values()), seconds=round(seconds, 3))
             if complete_in(url, shared_tier.storage_options):
                 s = seal(url, shared_tier.storage_options)
                 changed = True
                 p.sealed.append(name)
-                w._event("sealed", tier=shared_tier.name, name=name, url=url,
-                         action=s.action, manifest_id=s.manifest_id, node_rank=w.node_rank)
+                w.event("sealed", tier=shared_tier.name, name=name, url=url,
+                        action=s.action, manifest_id=s.manifest_id, node_rank=w.node_rank)
             else:
                 p.pending.append({"tier": shared_tier.name, "name": name,
                                   "why": "waiting for the other nodes"})
         except (CkptError, OSError) as e:
-            w._fail(p, key, "promote", shared_tier.name, name, e)
+            w.fail(p, key, "promote", shared_tier.name, name, e)
             continue
-        w._ok(key)
+        w.succeed(key)
     for name in [n for n in seen if n not in hot and only is None]:
         del seen[name]
         parts.pop(name, None)
     if changed:
-        shared = w._list(p, shared_tier)
+        shared = w.list_tier(p, shared_tier)
     return [hot, shared]
 
 
@@ -224,8 +226,8 @@ def _kept_by_policy(shared_tier, policy, names: set) -> dict[str, str]:
     tier, with its reasons (name -> reason)."""
     import time
 
-    from ..tiering.gc import gc_items
     from ..catalog.ls import ls
+    from ..tiering.gc import gc_items
     from ..tiering.policy import apply_policy
 
     rows = [r for r in ls(shared_tier.url, shared_tier.storage_options,
@@ -252,20 +254,20 @@ def retain_node(w, p, listings: list) -> None:
                             shared_tier.storage_options):
             protect[name] = f"not yet committed in {shared_tier.name} with this node's part"
     key = f"gc {hot_tier.name}"
-    if w._waiting(key, w.clock()):
-        p.failed.append(w._waiting(key, w.clock()))
+    if w.backing_off(key, w.clock()):
+        p.failed.append(w.backing_off(key, w.clock()))
         return
     try:
         policy = Policy.from_dict(hot_tier.keep, where=f"tier {hot_tier.name}")
         if shared is not None and len(protect) < len(hot):
             protect.update(_kept_by_policy(shared_tier, policy, set(hot) - set(protect)))
     except (CkptError, OSError) as e:
-        w._fail(p, key, "gc", hot_tier.name, None, e)
+        w.fail(p, key, "gc", hot_tier.name, None, e)
         return
     # a part is never committed in its own tier: the policy is applied to the shared tier's
     # committed copies above, the rail covers the rest, and ``listed`` keeps a part written
     # after this pass's listing, so gc's grace for incomplete folders (which would keep
     # every part a day) is not needed here
-    w._trim(p, key, hot_tier, protect, set(hot), policy, grace=0)
+    trim(w, p, key, hot_tier, protect, set(hot), policy, grace=0)
 
 
