@@ -1,4 +1,5 @@
-"""What state a checkpoint is in, from ``verify --level quick``'s findings:
+"""What state a checkpoint is in, from ``verify --level quick``'s findings
+(:class:`~ckptctl.catalog.checks.QuickCheck`):
 
 * ``sealed``: a ckptctl manifest is present (a single file's: beside it,
   ``FILE.ckptctl.manifest.json``) and every file it lists is there at its size;
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from .._deps import MissingDependencyError
 from ..errors import UnsupportedFormatError
 from ..formats.manifest import MANIFEST, control_name
-from ..integrity.verify import verify
+from .checks import QuickCheck
 
 SEALED, COMPLETE, INCOMPLETE, CORRUPT = "sealed", "complete", "incomplete", "corrupt"
 UNKNOWN = "unknown"
@@ -40,17 +41,17 @@ def checkpoint_state(url: str, storage_options: dict | None = None, *,
     ``located``: the checkpoint's files from a listing the caller already has (``ls``
     lists a whole root once), as :func:`~ckptctl.formats.detect.locate` returns them;
     then nothing is listed again. ``bases``: shared by one caller's classifications, so
-    each delta pack's base chain is checked once (:func:`~ckptctl.integrity.verify.verify`).
+    each delta pack's base chain is checked once (:class:`~ckptctl.catalog.checks.QuickCheck`).
 
     >>> checkpoint_state("ckpt/step-100").state             # doctest: +SKIP
     'complete'
     """
     name = control_name(MANIFEST, located[2]) if located is not None else MANIFEST
-    if located is not None and name in located[1]:  # read by verify and the reader: once
+    if located is not None and name in located[1]:  # read by the check and the reader: once
         located[0].cache_small_files({name: located[1][name]})
+    r = QuickCheck(url, storage_options, located=located, uploads=False, bases=bases)
     try:
-        r = verify(url, storage_options, level="quick", located=located, uploads=False,
-                   bases=bases)
+        r.quick()
     except MissingDependencyError as e:  # not a verdict on the checkpoint: say what it needs
         return StateReport(UNKNOWN, e.message, None, None)
     except UnsupportedFormatError as e:  # another framework's layout: not ckptctl's to judge

@@ -123,7 +123,8 @@ def verdict(r) -> str:
     """A verify result in words: ``OK``, ``OK, 1 warning``, ``3 problems``, ``3 problems
     (2 errors, 1 warning)``, or ``1 problem (a warning, --strict)``.
 
-    >>> from ckptctl.integrity.verify import Problem, VerifyResult
+    >>> from ckptctl.catalog.checks import Problem
+    >>> from ckptctl.integrity.result import VerifyResult
     >>> w = Problem("EXTRA_FILE", "warning", "NOTES.md", None, "not listed in the manifest")
     >>> r = VerifyResult(True, "quick", "ck", "dcp", True, problems=[w])
     >>> verdict(r.judge()), verdict(r.judge(strict=True))
@@ -187,7 +188,7 @@ def problem_rows(problems: list, first: int = 3, *, within: str | None = None
     ``(+N more)`` row (``--json`` keeps every problem). Paths are shown relative to the
     place ``within`` (the checkpoint, or the root of ``--all``: :func:`relative_to`).
 
-    >>> from ckptctl.integrity.verify import Problem
+    >>> from ckptctl.catalog.checks import Problem
     >>> ps = [Problem("SIZE_MISMATCH", "error", f"ck/f{i}", None, "short") for i in range(5)]
     >>> for row in problem_rows(ps + [Problem("STRAY_TEMP", "warning", "ck/t", None, "x")],
     ...                         within="ck"):

@@ -28,13 +28,14 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from .._deps import MissingDependencyError
+from ..catalog.checks import Problem
 from ..errors import CkptError, Finding, FormatError, StorageError
 from ..formats.detect import locate, open_checkpoint
 from ..formats.locate import refuse_save_folder, split_file_url
 from ..formats.manifest import MANIFEST, Manifest, control_name, is_control_file, is_temp_name
 from ..storage import Store, digest_bytes, normalize_algo, open_store
 from ..writing.commit import commit, manifest_for
-from .verify import Problem, check_and_hash, verify
+from .verify import check_and_hash, verify
 
 
 #: Reads and conditional writes of the manifest before a seal gives up on a manifest that

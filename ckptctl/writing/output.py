@@ -34,6 +34,7 @@ import time
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Callable, Iterable
 
+from ..catalog.writers import live_writer
 from ..errors import CkptError, UsageError
 from ..formats.dcp import METADATA
 from ..formats.manifest import MANIFEST, PIN_FILE, WRITING_MARKER, control_name, sidecar_of
@@ -406,36 +407,6 @@ def _cleanup_rank(rel: str) -> tuple[bool, bool]:
     side = sidecar_of(rel)
     control = side[1] if side else rel
     return control not in _COMMIT_FILES, control == WRITING_MARKER
-
-
-def live_writer(store: Store, single: str | None = None) -> dict | None:
-    """The ``.ckptctl-writing`` record of ``store`` when it names a ckptctl process still
-    running on this host (this one included), else None: a leftover of a killed writer,
-    another host's (which cannot be checked from here) or no marker at all. ``single``:
-    the marker beside that one file (``train.pt.ckptctl-writing``).
-
-    >>> import tempfile
-    >>> from ckptctl.storage import open_store
-    >>> live_writer(open_store(tempfile.mkdtemp())) is None
-    True
-    """
-    try:
-        doc = json.loads(store.read(control_name(WRITING_MARKER, single)))
-        pid, host = int(doc["pid"]), doc["host"]
-    except (CkptError, ValueError, KeyError, TypeError):
-        return None  # missing or unreadable: a leftover
-    if host != socket.gethostname() or not (pid == os.getpid() or _is_ckptctl(pid)):
-        return None
-    return doc
-
-
-def _is_ckptctl(pid: int) -> bool:
-    """Is ``pid`` a running ckptctl process (Linux: its command line says so)?"""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            return b"ckptctl" in f.read()
-    except OSError:
-        return False
 
 
 def _remove_empty_dirs(root: str, rel: str) -> None:
