@@ -34,7 +34,7 @@ Per data set, round-robin, ``--reps`` times each (medians):
 * ``zstd -3 -T<workers>`` per file (the zstd CLI; python ``zstandard`` level 3 per file when
   no CLI is found), then ``sync`` of the outputs; ``zstd -d`` per file, then ``sync``;
 * zipnn 0.5.4 (``threads=<workers>``) in a subprocess on the same tensors ckptctl sees
-  (``ckptctl.packs.pack.tensor_spans``: float tensors of at least 4 KiB; the bytes between
+  (``ckptctl.packs.segments.tensor_spans``: float tensors of at least 4 KiB; the bytes between
   them and other tensors with ``zstandard`` level 3, so every byte of every file is stored):
   each file read, compressed (zipnn gets a copy: its ``compress()`` overwrites its input)
   and written with ``fsync``; then decompressed and written back with ``fsync``;
@@ -363,11 +363,11 @@ def wrap(obj, name, key):
             with lock:
                 T[key] = T.get(key, 0.0) + time.perf_counter() - t
     setattr(obj, name, g)
-wrap(P, "_source", "pack: open source + manifest")
+wrap(P, "open_source", "pack: open source + manifest")
 wrap(D, "open_checkpoint", "pack: open checkpoint (metadata)")
 wrap(P, "tensor_spans", "pack: segmenting (tensor_spans, source and base)")
-wrap(P, "_open_base", "pack: open base")
-wrap(P, "_encode_all", "pack: read+encode+write loop (wall)")
+wrap(P, "open_base", "pack: open base")
+wrap(P, "encode_all", "pack: read+encode+write loop (wall)")
 wrap(C, "encode", "pack threads: codec.encode")
 wrap(C, "check", "threads: chunk check (xxh3-64)")
 wrap(C, "decode", "unpack threads: codec.decode")
@@ -384,7 +384,7 @@ r = P.pack(src, dst, base=base, workers=workers)
 tp = time.perf_counter() - t
 pack_t = dict(T); T.clear()
 t = time.perf_counter()
-P.unpack(dst, out, workers=workers)
+importlib.import_module("ckptctl.packs.unpack").unpack(dst, out, workers=workers)
 tu = time.perf_counter() - t
 print(json.dumps({"pack_total": tp, "pack": pack_t, "unpack_total": tu, "unpack": dict(T),
                   "bytes": r.bytes_in}))
@@ -477,7 +477,7 @@ def build_sets(a, cache: Path, log) -> dict:
 def zipnn_spans(src: Path) -> list[dict]:
     """The float tensors ckptctl's packer sees, per file, for the zipnn driver."""
     from ckptctl.formats.detect import open_checkpoint
-    from ckptctl.packs.pack import tensor_spans
+    from ckptctl.packs.segments import tensor_spans
 
     ck = open_checkpoint(str(src), read_step=False)
     names = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -496,7 +496,7 @@ def breakdown(src: Path, pack: Path) -> dict[str, list[int]]:
     and the source's tensor names (weights unchanged / changed against the base, Adam's
     moments, other tensors, the bytes no tensor covers)."""
     from ckptctl.formats.detect import open_checkpoint
-    from ckptctl.packs.pack import tensor_spans
+    from ckptctl.packs.segments import tensor_spans
 
     ck = open_checkpoint(str(src), read_step=False)
     files = {p.relative_to(src).as_posix(): p.stat().st_size for p in files_of(src)}

@@ -410,10 +410,10 @@ def test_pack_split_matches_1_process(one_proc, tmp_path, monkeypatch):
 
     from ckptctl.ops import pack, unpack
 
-    pack_mod = importlib.import_module("ckptctl.packs.pack")  # the module, not the verb
+    encode_mod = importlib.import_module("ckptctl.packs.encode")
 
     one, one_doc, _ = one_proc
-    monkeypatch.setattr(pack_mod, "DATA_FILE_SIZE", 2 << 20)
+    monkeypatch.setattr(encode_mod, "DATA_FILE_SIZE", 2 << 20)
     single = pack(str(one), str(tmp_path / "p1"), workers=1)
     assert single.data_files >= 6
     rs = _pack_in_threads(one, tmp_path / "p4", 4)
@@ -425,7 +425,7 @@ def test_pack_split_matches_1_process(one_proc, tmp_path, monkeypatch):
 
 
 def test_data_layout_keeps_source_files_whole_per_unit():
-    from ckptctl.packs.pack import data_layout
+    from ckptctl.packs.encode import data_layout
 
     # a: 6, b: 3 share data file 0; c (10) does not fit: data files 1 and 2, one unit
     jobs = [("a", None, 0, 6), ("b", None, 0, 3), ("c", None, 0, 5), ("c", None, 5, 5)]

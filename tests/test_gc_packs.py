@@ -20,7 +20,8 @@ from ckptctl.formats.manifest import MANIFEST, Manifest
 from ckptctl.tiering.gc import gc
 from ckptctl.tiering.latest import latest
 from ckptctl.catalog.ls import ls
-from ckptctl.packs.pack import pack, unpack
+from ckptctl.packs.pack import pack
+from ckptctl.packs.unpack import unpack
 from ckptctl.tiering.pins import pin
 from ckptctl.tiering.policy import Policy
 from ckptctl.integrity.seal import seal

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from ckptctl.formats.manifest import MANIFEST, Manifest
 from ckptctl.formats.pack import PACK_INDEX
-from ckptctl.packs.pack import pack, unpack
+from ckptctl.packs.pack import pack
+from ckptctl.packs.unpack import unpack
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -143,7 +144,7 @@ def test_round_trip_hf_sharded_safetensors(tmp_path):
     r = pack(str(src), str(tmp_path / "p"), workers=2)
     idx = index_of(tmp_path / "p")
     assert idx["files"]["extra/empty.txt"] == {"size": 0, "segments": []}
-    from ckptctl.packs.pack import MIN_TENSOR_BYTES
+    from ckptctl.packs.segments import MIN_TENSOR_BYTES
 
     for s in shards:  # the JSON header raw, then the tensors (tiny ones stay raw)
         segs = idx["files"][s]["segments"]
@@ -312,7 +313,7 @@ def test_s3_round_trip_with_base(dcp_pair, tmp_path, s3_bucket):
     u = unpack(pb, str(tmp_path / "out"), storage_options=opts, workers=2)
     assert_same_tree(b, tmp_path / "out")
     assert u.base == r.base and u.depth == 1
-    from ckptctl.packs.pack import open_pack_url
+    from ckptctl.packs.unpack import open_pack_url
 
     ps = open_pack_url(pb, opts, workers=2)  # side-by-side payloads: one GET per run
     before = ps.raw.stats.reads

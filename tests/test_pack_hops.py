@@ -15,7 +15,7 @@ import pytest
 
 from ckptctl.errors import FormatError
 from ckptctl.formats.pack import PACK_INDEX, PackIndex
-from ckptctl.packs.pack import unpack
+from ckptctl.packs.unpack import unpack
 from ckptctl.tiering.promote import promote
 from test_gc_packs import _ckpt, _files
 

@@ -13,7 +13,8 @@ import pytest
 from ckptctl.errors import CkptError, FormatError, NotFoundError, UnsafeInputError
 from ckptctl.formats.manifest import MANIFEST, WRITING_MARKER, Manifest
 from ckptctl.formats.pack import PACK_INDEX
-from ckptctl.packs.pack import pack, unpack
+from ckptctl.packs.pack import pack
+from ckptctl.packs.unpack import unpack
 from ckptctl.storage import digest_bytes
 from test_pack import CHANGED, write_dcp
 

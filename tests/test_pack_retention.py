@@ -36,7 +36,7 @@ from ckptctl.integrity.verify import verify
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = list(range(10, 110, 10))
-#: the re-root's durable steps (ckptctl.packs.pack._reached), in order
+#: the re-root's durable steps (ckptctl.packs.reroot._reached), in order
 SEAMS = ["staged", "marked", "cleared", "placed", "committed", "unmarked", "unsealed-stage"]
 
 
@@ -98,7 +98,7 @@ class Tier:
 
     def restores(self, url: str, step: int, out: Path) -> None:
         """The pack at ``url`` unpacks to exactly the original step's files and id."""
-        from ckptctl.packs.pack import unpack
+        from ckptctl.packs.unpack import unpack
 
         u = unpack(url, str(out), storage_options=self.opts, workers=1)
         assert u.manifest_id == self.source_id(step), url
@@ -247,7 +247,7 @@ def test_a_reroot_that_fails_keeps_the_chain(tmp_path, monkeypatch):
     def refuse(url, **kw):
         raise Finding(url, "content hash differs from the source manifest", code="HASH_MISMATCH")
 
-    monkeypatch.setattr(importlib.import_module("ckptctl.packs.pack"), "reroot", refuse)
+    monkeypatch.setattr(importlib.import_module("ckptctl.packs.reroot"), "reroot", refuse)
     code, out, err = run_cli("--config", cfg, "gc", "cold:", "--json")
     assert code == 1, err
     doc = json.loads(out)
@@ -331,7 +331,7 @@ def _kill(monkeypatch, seam: str) -> None:
         if step == seam:
             raise Killed(seam)
 
-    monkeypatch.setattr(pack_mod, "_reached", reached)
+    monkeypatch.setattr(importlib.import_module("ckptctl.packs.reroot"), "_reached", reached)
 
 
 @pytest.mark.parametrize("seam", ["writing-stage", *SEAMS, "removing-bases"])
@@ -379,7 +379,7 @@ RERUN = {"writing-stage": [("step-70", "discarded"), ("step-70", "re-rooted")],
 
 
 def _index_base(tier: Tier, name: str):
-    from ckptctl.packs.pack import open_pack_url
+    from ckptctl.packs.unpack import open_pack_url
 
     ps = open_pack_url(tier.url(name), tier.opts)
     try:
@@ -397,7 +397,7 @@ def test_a_real_kill_mid_install_then_gc_finishes(tmp_path):
     cfg = str(t.config())
     code = ("import os, signal, sys\n"
             "import importlib\n"
-            "p = importlib.import_module('ckptctl.packs.pack')\n"
+            "p = importlib.import_module('ckptctl.packs.reroot')\n"
             "def reached(step, url):\n"
             "    if step == 'cleared':\n"
             "        os.kill(os.getpid(), signal.SIGKILL)\n"

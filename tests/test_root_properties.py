@@ -65,7 +65,8 @@ from ckptctl.formats.manifest import (MANIFEST, NEEDED_BY_PREFIX, PIN_FILE, WRIT
                                       Manifest)
 from ckptctl.tiering.gc import gc
 from ckptctl.catalog.ls import ls
-from ckptctl.packs.pack import open_pack_url, pack, unpack
+from ckptctl.packs.pack import pack
+from ckptctl.packs.unpack import open_pack_url, unpack
 from ckptctl.tiering.pins import pin
 from ckptctl.tiering.policy import Policy
 from ckptctl.tiering.rm import remove

@@ -16,7 +16,8 @@ from conftest import run_cli
 from ckptctl.errors import Finding, UsageError
 from ckptctl.tiering.gc import gc
 from ckptctl.catalog.ls import ls
-from ckptctl.packs.pack import pack, unpack
+from ckptctl.packs.pack import pack
+from ckptctl.packs.unpack import unpack
 from ckptctl.tiering.pins import pin, unpin
 from ckptctl.tiering.policy import Policy
 from ckptctl.tiering.promote import promote

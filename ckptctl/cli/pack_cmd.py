@@ -130,7 +130,7 @@ def unpack(
       ckptctl unpack s3://cold/run1/step-12000 /nvme/step-12000 --json
       ckptctl unpack packs/step-2000 out/ --base /archive/step-1000
     """
-    from ..packs.pack import unpack as do_unpack
+    from ..packs.unpack import unpack as do_unpack
 
     src_place = resolve_place(ctx, pack_, storage_option, src_option, own_flag="--src-option")
     dst_place = resolve_place(ctx, dst, storage_option, dst_option, own_flag="--dst-option")
