@@ -264,39 +264,8 @@ def consolidate(src: str, dst: str, *, to: str | None = None, only: str | None =
     check_torch("consolidate")  # before a byte is read or written (imported only if used)
     ck = open_checkpoint(src, storage_options)
     ck.store.cache_small_files(ck.files)
-    tensors, objects = _select(ck, only)
-    gone = dropped(ck, drop)
-    if gone:
-        left_out = set(gone)
-        tensors = [n for n in tensors if n not in left_out]
-        objects = [n for n in objects if n not in left_out]
-    from ..formats.megatron import carrier
-
-    # Megatron's common state goes out as its entries (iteration, args, ...), read from it
-    objects = [n for n in objects if n != carrier(ck)]
-    if unstack_layers:
-        from ..formats.megatron import unstack
-
-        tensors = unstack(ck, tensors)
-    if not tensors and not objects:
-        given = ([f"--only {only}"] if only else []) + [f"--drop {g}" for g in drop or ()]
-        raise UsageError(f"nothing selected in {src} ({' '.join(given)})")
-    if to == "safetensors" and objects:  # safetensors holds tensors only: never drop silently
-        shown = ", ".join(objects[:4]) + (", ..." if len(objects) > 4 else "")
-        raise UsageError(f"the selection holds {len(objects)} non-tensor entr"
-                         f"{'y' if len(objects) == 1 else 'ies'} ({shown}) that safetensors "
-                         "cannot store; select tensors only with --only model, or keep them "
-                         "with --to torch")
-    refuse_opaque(ck, objects, verb="consolidate")
-    if strip_prefix is not None and not any(n.startswith(strip_prefix) for n in tensors + objects):
-        raise UsageError(f"--strip-prefix {strip_prefix!r} matches no selected entry (names: "
-                         f"{few_names(tensors + objects)})", src)
-    if to == "dcp" and strip_prefix is not None:
-        raise UsageError("--strip-prefix renames entries of a safetensors or torch output; "
-                         "--to dcp keeps the names")
-    if include and to != "safetensors":
-        raise UsageError("--include carries side files into a --to safetensors (HF) folder "
-                         f"only; --to {to} carries none")
+    tensors, objects, gone = _entries(ck, src, only, drop, unstack_layers)
+    _refuse_selection(ck, src, to, tensors, objects, strip_prefix, include)
     side = side_files(ck, include or [], defaults=to == "safetensors" and not one_file
                       and output_stem(tensors) == "model")
     check_objects(ck, objects, workers=workers)  # before a byte is written
@@ -315,71 +284,150 @@ def consolidate(src: str, dst: str, *, to: str | None = None, only: str | None =
                                  len(objects), done.bytes_written,
                                  round(time.monotonic() - t0, 3), done.manifest_id,
                                  dropped=gone)
-    by_name = {tc.name: tc for tc in plan.chunks}
-
-    def convert_for(tc):
-        if conv_to and tc.dtype.kind == "float" and tc.dtype.name != conv_to:
-            return dtype_converter(tc.dtype.name, conv_to)
-        return None
-
-    def stream(names: list[str], streams: int, staged: bool) -> BlockStream:
-        """One read-ahead stream over the tensors of one output file, in write order;
-        ``staged``: its writer's staging buffers come out of the same --max-memory."""
-        return BlockStream(ck, [by_name[n] for n in names], convert_for=convert_for,
-                           depth=stream_depth(max_memory, streams, staged))
-
-    def writer(f, streams: int, spans: bool = False):
-        return _writer(f, ck, on_bytes, spans=spans,
-                       buffer=staging_size(max_memory, streams))
-
-    def spans_for(name: str):
-        """The tensor as local source byte runs to copy in the kernel, or None."""
-        return kernel_spans(ck, by_name[name], convert_for(by_name[name]))
-
-    def out_dtype(name: str) -> str:
-        d = ck.tensors[name].dtype
-        return conv_to if conv_to and d.kind == "float" else d.name
-
-    renamed = {n: _out_name(n, strip_prefix) for n in tensors + objects}
-    if len(set(renamed.values())) != len(renamed):
-        raise UsageError("--strip-prefix makes two entries collide")
+    io = _TensorIO(ck, plan, conv_to, max_memory, on_bytes)
+    renamed = _renames(tensors + objects, strip_prefix)
     if to == "deepspeed-universal":
-        if strip_prefix is not None:
-            raise UsageError("--strip-prefix renames entries of a safetensors or torch "
-                             "output; a universal checkpoint names parameters itself")
-        if group.rank != 0:
-            return ConsolidateResult(src, dst, to, [], len(tensors), len(objects), 0,
-                                     round(time.monotonic() - t0, 3), dropped=gone)
-        from .universal_write import write_universal
-
-        # the 16-bit copies of model.* (DeepSpeed's module16): DeepSpeed rebuilds them
-        copies = [n for n in tensors if classify(n) == "module16"]
-        tensors = [n for n in tensors if n not in set(copies)]
-        hashes, mid = write_universal(ck, dst, tensors=tensors, objects=objects, plan=plan,
+        return _consolidate_universal(ck, src, dst, tensors, objects, plan, gone, t0,
+                                      strip_prefix=strip_prefix, group=group,
                                       max_memory=max_memory, opts=opts, force=force,
                                       on_bytes=on_bytes)
-        return ConsolidateResult(src, dst, to, sorted(hashes), len(tensors), len(objects),
-                                 sum(n for _, n in hashes.values()),
-                                 round(time.monotonic() - t0, 3), mid, dropped=gone,
-                                 derived=copies)
     if (to == "torch" or one_file) and group.rank != 0:  # one file: rank 0's, no share
         return ConsolidateResult(src, dst, to, [], len(tensors), len(objects), 0,
                                  round(time.monotonic() - t0, 3), dropped=gone)
     if to == "torch":
-        out = _write_torch(ck, dst, opts, tensors, objects, renamed, stream, writer,
-                           out_dtype, strip_prefix, force)
+        out = _write_torch(ck, dst, opts, tensors, objects, renamed, io.stream, io.writer,
+                           io.out_dtype, strip_prefix, force)
     else:
         limit = max_shard_size if max_shard_size is not None or one_file else DEFAULT_MAX_SHARD
-        out = _write_safetensors(dst, opts, ck, tensors, renamed, stream, writer, out_dtype,
-                                 parse_size(limit) if limit is not None else None, workers,
-                                 force, stem=output_stem(tensors), side=side, group=group,
-                                 spans_for=spans_for, one_file=one_file)
+        out = _write_safetensors(dst, opts, ck, tensors, renamed, io.stream, io.writer,
+                                 io.out_dtype, parse_size(limit) if limit is not None else None,
+                                 workers, force, stem=output_stem(tensors), side=side,
+                                 group=group, spans_for=io.spans_for, one_file=one_file)
     mid = out.manifest_id
     return ConsolidateResult(src, dst, to, sorted(out.hashes), len(tensors), len(objects),
                              sum(n for _, n in out.hashes.values()),
                              round(time.monotonic() - t0, 3), mid,
                              {k: v for k, v in renamed.items() if k != v},
                              side if to == "safetensors" else [], gone)
+
+
+def _entries(ck: Checkpoint, src: str, only: str | None, drop: list[str] | None,
+             unstack_layers: bool) -> tuple[list[str], list[str], list[str]]:
+    """(tensors, objects, dropped) to write: the ``only`` parts less the ``drop`` globs,
+    stacked layers split with ``unstack_layers``; a usage error when nothing is left."""
+    tensors, objects = _select(ck, only)
+    gone = dropped(ck, drop)
+    if gone:
+        left_out = set(gone)
+        tensors = [n for n in tensors if n not in left_out]
+        objects = [n for n in objects if n not in left_out]
+    from ..formats.megatron import carrier
+
+    # Megatron's common state goes out as its entries (iteration, args, ...), read from it
+    objects = [n for n in objects if n != carrier(ck)]
+    if unstack_layers:
+        from ..formats.megatron import unstack
+
+        tensors = unstack(ck, tensors)
+    if not tensors and not objects:
+        given = ([f"--only {only}"] if only else []) + [f"--drop {g}" for g in drop or ()]
+        raise UsageError(f"nothing selected in {src} ({' '.join(given)})")
+    return tensors, objects, gone
+
+
+def _refuse_selection(ck: Checkpoint, src: str, to: str, tensors: list[str],
+                      objects: list[str], strip_prefix: str | None,
+                      include: list[str] | None) -> None:
+    """Refuse, before a byte is written, what target ``to`` cannot do with the selection:
+    store its objects, rename by a ``strip_prefix`` that matches nothing or that it
+    ignores, carry ``include`` side files."""
+    if to == "safetensors" and objects:  # safetensors holds tensors only: never drop silently
+        shown = ", ".join(objects[:4]) + (", ..." if len(objects) > 4 else "")
+        raise UsageError(f"the selection holds {len(objects)} non-tensor entr"
+                         f"{'y' if len(objects) == 1 else 'ies'} ({shown}) that safetensors "
+                         "cannot store; select tensors only with --only model, or keep them "
+                         "with --to torch")
+    refuse_opaque(ck, objects, verb="consolidate")
+    if strip_prefix is not None and not any(n.startswith(strip_prefix) for n in tensors + objects):
+        raise UsageError(f"--strip-prefix {strip_prefix!r} matches no selected entry (names: "
+                         f"{few_names(tensors + objects)})", src)
+    if to == "dcp" and strip_prefix is not None:
+        raise UsageError("--strip-prefix renames entries of a safetensors or torch output; "
+                         "--to dcp keeps the names")
+    if include and to != "safetensors":
+        raise UsageError("--include carries side files into a --to safetensors (HF) folder "
+                         f"only; --to {to} carries none")
+
+
+def _renames(names: list[str], strip: str | None) -> dict[str, str]:
+    """Each entry's output name, ``strip`` taken off; two that collide are a usage error."""
+    renamed = {n: _out_name(n, strip) for n in names}
+    if len(set(renamed.values())) != len(renamed):
+        raise UsageError("--strip-prefix makes two entries collide")
+    return renamed
+
+
+class _TensorIO:
+    """How the planned tensors of ``ck`` are read and written: read-ahead streams (cast
+    to ``conv_to``), output writers and kernel-copy spans, within ``max_memory``."""
+
+    def __init__(self, ck: Checkpoint, plan, conv_to: str | None, max_memory: int, on_bytes):
+        self.ck, self.conv_to, self.max_memory, self.on_bytes = ck, conv_to, max_memory, on_bytes
+        self.by_name = {tc.name: tc for tc in plan.chunks}
+
+    def convert_for(self, tc):
+        """The cast of planned tensor ``tc`` to ``conv_to``, or None where none is needed."""
+        if self.conv_to and tc.dtype.kind == "float" and tc.dtype.name != self.conv_to:
+            return dtype_converter(tc.dtype.name, self.conv_to)
+        return None
+
+    def stream(self, names: list[str], streams: int, staged: bool) -> BlockStream:
+        """One read-ahead stream over the tensors of one output file, in write order;
+        ``staged``: its writer's staging buffers come out of the same --max-memory."""
+        return BlockStream(self.ck, [self.by_name[n] for n in names],
+                           convert_for=self.convert_for,
+                           depth=stream_depth(self.max_memory, streams, staged))
+
+    def writer(self, f, streams: int, spans: bool = False):
+        """The writer of output file ``f`` (:func:`_writer`), one of ``streams``."""
+        return _writer(f, self.ck, self.on_bytes, spans=spans,
+                       buffer=staging_size(self.max_memory, streams))
+
+    def spans_for(self, name: str):
+        """The tensor as local source byte runs to copy in the kernel, or None."""
+        tc = self.by_name[name]
+        return kernel_spans(self.ck, tc, self.convert_for(tc))
+
+    def out_dtype(self, name: str) -> str:
+        d = self.ck.tensors[name].dtype
+        return self.conv_to if self.conv_to and d.kind == "float" else d.name
+
+
+def _consolidate_universal(ck: Checkpoint, src: str, dst: str, tensors: list[str],
+                           objects: list[str], plan, gone: list[str], t0: float, *,
+                           strip_prefix: str | None, group, max_memory: int, opts,
+                           force: bool, on_bytes) -> ConsolidateResult:
+    """``--to deepspeed-universal``: rank 0 writes the folder, less the entries DeepSpeed
+    rebuilds (``derived``)."""
+    to = "deepspeed-universal"
+    if strip_prefix is not None:
+        raise UsageError("--strip-prefix renames entries of a safetensors or torch "
+                         "output; a universal checkpoint names parameters itself")
+    if group.rank != 0:
+        return ConsolidateResult(src, dst, to, [], len(tensors), len(objects), 0,
+                                 round(time.monotonic() - t0, 3), dropped=gone)
+    from .universal_write import write_universal
+
+    # the 16-bit copies of model.* (DeepSpeed's module16): DeepSpeed rebuilds them
+    copies = [n for n in tensors if classify(n) == "module16"]
+    tensors = [n for n in tensors if n not in set(copies)]
+    hashes, mid = write_universal(ck, dst, tensors=tensors, objects=objects, plan=plan,
+                                  max_memory=max_memory, opts=opts, force=force,
+                                  on_bytes=on_bytes)
+    return ConsolidateResult(src, dst, to, sorted(hashes), len(tensors), len(objects),
+                             sum(n for _, n in hashes.values()),
+                             round(time.monotonic() - t0, 3), mid, dropped=gone,
+                             derived=copies)
 
 
 @dataclass

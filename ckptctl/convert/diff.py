@@ -896,7 +896,29 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
     ckptctl.errors.UsageError: --atol and --rtol must be finite and >= 0
     """
     from ..formats.detect import open_checkpoint
-    from ..model import natural_key
+
+    pairs, max_memory = _check_args(atol, rtol, workers, maps, max_memory)
+    t0 = time.monotonic()
+    cka = open_checkpoint(a, a_options)
+    ckb = open_checkpoint(b, b_options)
+    for ck in (cka, ckb):  # remote: small files in one GET each, within the budget
+        ck.store.cache_small_files(ck.files, budget=min(256 << 20, max_memory // 4))
+    names_a, names_b, keys = _matched(cka, ckb, pairs, only, common)
+    res = DiffResult(False, _side(cka), _side(ckb), atol, rtol)
+    rows, pairs_todo, objects = _classify(res, cka, ckb, keys, names_a, names_b,
+                                          cast=cast, atol=atol, rtol=rtol)
+    jobs = _chunk_jobs(cka, ckb, pairs_todo, workers, on_bytes)
+    _compare_all(cka, ckb, jobs, pairs_todo, objects, workers=workers,
+                 max_memory=max_memory, atol=atol, rtol=rtol, on_bytes=on_bytes,
+                 on_total=on_total)
+    _tally(res, rows, pairs_todo, common)
+    res.seconds = round(time.monotonic() - t0, 3)
+    return res
+
+
+def _check_args(atol: float, rtol: float, workers: int, maps: list[str] | None,
+                max_memory: int | str) -> tuple[list[tuple[str, str]], int]:
+    """(parsed ``maps``, ``max_memory`` in bytes); a value out of range is a usage error."""
     from ..units import parse_size
 
     if not all(math.isfinite(x) and x >= 0 for x in (atol, rtol)):
@@ -907,15 +929,19 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
     max_memory = parse_size(max_memory)
     if max_memory < 1 << 20:
         raise UsageError("--max-memory must be at least 1MiB")
-    t0 = time.monotonic()
-    cka = open_checkpoint(a, a_options)
-    ckb = open_checkpoint(b, b_options)
-    for ck in (cka, ckb):  # remote: small files in one GET each, within the budget
-        ck.store.cache_small_files(ck.files, budget=min(256 << 20, max_memory // 4))
+    return pairs, max_memory
+
+
+def _matched(cka, ckb, maps: list[tuple[str, str]], only: list[str] | None,
+             common: bool) -> tuple[dict[str, str], dict[str, str], list[str]]:
+    """(A's names by matching name, B's, the matching names ``only`` selects in natural
+    order); a ``--map`` that merges two names of A, or a selection that leaves nothing to
+    compare, is a usage error."""
+    from ..model import natural_key
 
     names_a: dict[str, str] = {}
     for n in list(cka.tensors) + list(cka.objects):
-        key = map_name(n, pairs)
+        key = map_name(n, maps)
         if key in names_a:
             raise UsageError(f"--map makes {names_a[key]!r} and {n!r} of A the same name {key!r}")
         names_a[key] = n
@@ -932,11 +958,17 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
         raise UsageError("--common: A and B have no entry name in common"
                          + (" among those --only selects" if only else "")
                          + " (--map OLD=NEW renames A's names)")
+    return names_a, names_b, keys
 
+
+def _classify(res: DiffResult, cka, ckb, keys: list[str], names_a: dict[str, str],
+              names_b: dict[str, str], *, cast: bool, atol: float,
+              rtol: float) -> tuple[list[EntryDiff], list[_Pair], list[tuple]]:
+    """(a row per entry of ``keys``, the tensor pairs to read, the (row, object of A,
+    object of B) to compare): a row gets its status here when no bytes need reading."""
     rows: list[EntryDiff] = []
     pairs_todo: list[_Pair] = []
     objects: list[tuple] = []
-    res = DiffResult(False, _side(cka), _side(ckb), atol, rtol)
     for k in keys:
         na, nb = names_a.get(k), names_b.get(k)
         ta = cka.tensors.get(na) if na else None
@@ -949,46 +981,60 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
             t = ta or tb
             if t is not None:
                 row.dtype, row.shape, row.bytes = t.dtype.name, list(t.shape), t.nbytes
-            continue
-        if (ta is None) != (tb is None):
+        elif (ta is None) != (tb is None):
             row.status = "kind_mismatch"
-            row.note = f"A holds {'a tensor' if ta else 'an object'}, B {'a tensor' if tb else 'an object'}"
-            continue
-        if ta is None:
+            row.note = (f"A holds {'a tensor' if ta else 'an object'}, "
+                        f"B {'a tensor' if tb else 'an object'}")
+        elif ta is None:
             objects.append((row, cka.objects[na], ckb.objects[nb]))
-            continue
-        row.dtype, row.shape, row.bytes = ta.dtype.name, list(ta.shape), ta.nbytes
-        if ta.dtype.name != tb.dtype.name:
-            row.dtype_b = tb.dtype.name
-            if not (cast and castable(ta.dtype) and castable(tb.dtype)) \
-                    or tuple(ta.shape) != tuple(tb.shape):
-                row.status = "dtype_mismatch"
-                continue
-            p = _Pair(row, ta, tb)
-            if atol == 0 and rtol == 0:
-                p.atol, p.rtol = 0.0, cast_rtol(ta.dtype, tb.dtype)
-                row.note = f"cast: values compared within rtol={p.rtol:g} of B"
-            res.bytes += ta.nbytes
-            pairs_todo.append(p)
-            continue
-        if tuple(ta.shape) != tuple(tb.shape):
-            row.status, row.shape_b = "shape_mismatch", list(tb.shape)
-            continue
-        res.bytes += ta.nbytes
-        if ta.nbytes == 0:
-            row.status, row.proof = "identical", "bytes"
-        elif _hash_proven(cka, ckb, ta, tb):
-            row.status, row.proof = "identical", "hashes"
-            res.bytes_fast_pathed += ta.nbytes
         else:
-            pairs_todo.append(_Pair(row, ta, tb))
+            pair = _tensor_pair(res, row, cka, ckb, ta, tb, cast=cast, atol=atol, rtol=rtol)
+            if pair is not None:
+                pairs_todo.append(pair)
+    return rows, pairs_todo, objects
 
+
+def _tensor_pair(res: DiffResult, row: EntryDiff, cka, ckb, ta, tb, *, cast: bool,
+                 atol: float, rtol: float) -> _Pair | None:
+    """The pair to read and compare for tensor ``row``, or None where its status needs no
+    reading (dtype or shape mismatch, no bytes, manifest hashes equal); counts its bytes
+    into ``res``."""
+    row.dtype, row.shape, row.bytes = ta.dtype.name, list(ta.shape), ta.nbytes
+    if ta.dtype.name != tb.dtype.name:
+        row.dtype_b = tb.dtype.name
+        if not (cast and castable(ta.dtype) and castable(tb.dtype)) \
+                or tuple(ta.shape) != tuple(tb.shape):
+            row.status = "dtype_mismatch"
+            return None
+        p = _Pair(row, ta, tb)
+        if atol == 0 and rtol == 0:
+            p.atol, p.rtol = 0.0, cast_rtol(ta.dtype, tb.dtype)
+            row.note = f"cast: values compared within rtol={p.rtol:g} of B"
+        res.bytes += ta.nbytes
+        return p
+    if tuple(ta.shape) != tuple(tb.shape):
+        row.status, row.shape_b = "shape_mismatch", list(tb.shape)
+        return None
+    res.bytes += ta.nbytes
+    if ta.nbytes == 0:
+        row.status, row.proof = "identical", "bytes"
+    elif _hash_proven(cka, ckb, ta, tb):
+        row.status, row.proof = "identical", "hashes"
+        res.bytes_fast_pathed += ta.nbytes
+    else:
+        return _Pair(row, ta, tb)
+    return None
+
+
+def _chunk_jobs(cka, ckb, pairs: list[_Pair], workers: int, on_bytes) -> list[tuple]:
+    """The (pair, chunk of A) to compare, once both sides are known to cover each tensor;
+    chunks in files proven equal whole (:func:`_equal_files`) count as compared."""
     jobs = []
-    for p in pairs_todo:
+    for p in pairs:
         _check_cover(cka, p.ta)
         _check_cover(ckb, p.tb)
-    proven = _equal_files(cka, ckb, [p for p in pairs_todo if not p.cast], workers)
-    for p in pairs_todo:
+    proven = _equal_files(cka, ckb, [p for p in pairs if not p.cast], workers)
+    for p in pairs:
         for c in p.ta.chunks:
             if (id(p), c.offsets) in proven:
                 p.compared += c.numel * p.ta.dtype.itemsize
@@ -996,27 +1042,39 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
                     on_bytes(c.numel * p.ta.dtype.itemsize)
             elif c.numel:
                 jobs.append((p, c))
+    return jobs
+
+
+def _compare_all(cka, ckb, jobs: list[tuple], pairs: list[_Pair], objects: list[tuple], *,
+                 workers: int, max_memory: int, atol: float, rtol: float, on_bytes,
+                 on_total) -> None:
+    """Compare the chunk ``jobs``, then the owed ``||b||`` of tensors that differ
+    (:func:`_owed_norm`), then the ``objects``, on threads within ``max_memory``."""
     workers = max(1, min(workers, len(jobs) or 1, max_memory // (4 << 20) or 1))
     budget = max(64 << 10, min(16 << 20, max_memory // (4 * workers)))
     if on_total:
-        on_total(sum(p.ta.nbytes for p in pairs_todo))
+        on_total(sum(p.ta.nbytes for p in pairs))
 
     def run(job):
         _compare_chunk(job, cka, ckb, budget, atol, rtol, on_bytes)
 
     with ThreadPoolExecutor(workers) as pool:
         list(pool.map(run, jobs))
-        owed = [(p, blk) for p in pairs_todo if p.stats.diff_bytes and not p.stats.undecoded
+        owed = [(p, blk) for p in pairs if p.stats.diff_bytes and not p.stats.undecoded
                 for blk in p.stats.same_blocks]
         for st, (p, _) in zip(pool.map(lambda j: _owed_norm(j, cka), owed), owed):
             p.stats.merge(st)
         for row, oa, ob in objects:
             _compare_object(row, cka, oa, ckb, ob)
-    for p in pairs_todo:
+
+
+def _tally(res: DiffResult, rows: list[EntryDiff], pairs: list[_Pair], common: bool) -> None:
+    """Settle the compared tensors' statuses, then fill in ``res``: byte and status counts,
+    parts, what differs, the verdict and what was proven."""
+    for p in pairs:
         _finish(p)
         res.bytes_compared += p.compared
         res.bytes_decoded += p.stats.diff_bytes
-
     counts = {s: 0 for s in STATUSES}
     for row in rows:
         counts[row.status] += 1
@@ -1031,9 +1089,7 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
     res.equal = not res.differing
     res.verdict = ("different" if res.differing else "identical"
                    if all(r.status == "identical" for r in decisive) else "equal_within_tolerance")
-    res.proven = _proven(rows, atol, rtol)
-    res.seconds = round(time.monotonic() - t0, 3)
-    return res
+    res.proven = _proven(rows, res.atol, res.rtol)
 
 
 def part_counts(rows: list[EntryDiff]) -> dict[str, dict[str, int]]:

@@ -207,7 +207,7 @@ def _live_writer(row: CheckpointRow) -> str | None:
     still running on this host (a promote's staging folder, a reshard), else None.
     Local stores only: there the marker costs no request."""
     from ..formats.manifest import WRITING_MARKER
-    from ..writing.output import live_writer
+    from ..catalog.writers import live_writer
 
     store, files, single = row.located
     if single or WRITING_MARKER not in files or not store.is_local:
@@ -389,7 +389,7 @@ def gc(root: str, policy: Policy, storage_options: dict | None = None, *,
 
     ``reroot`` (a pack tier): the count is exact. A pack kept for its own sake whose base
     is kept only as its base is re-rooted first (:func:`~ckptctl.tiering.policy.plan_reroots`,
-    :func:`~ckptctl.packs.pack.reroot`: against an older checkpoint kept for its own sake
+    :func:`~ckptctl.packs.reroot.reroot`: against an older checkpoint kept for its own sake
     when the chain stays within ``max_chain`` and the pack's own depth, else as a full
     pack), then the bases no longer needed go with the rest. A re-root a crash
     interrupted is finished (or its leftovers cleared) before anything is decided, with
@@ -483,13 +483,13 @@ class _Decide:
 
     def recover(self, dry_run: bool) -> list[GcReroot]:
         """Finish the re-roots an interrupted run left (a staged copy beside a pack:
-        :func:`~ckptctl.packs.pack.finish_reroot`), then list again. A dry run only says
+        :func:`~ckptctl.packs.reroot.finish_reroot`), then list again. A dry run only says
         so, and decides as if it were done (a committed staged copy stands for its pack).
         What a live process holds keeps its pack ("re-root in progress")."""
         import dataclasses
 
         from ..formats.pack import reroot_target
-        from ..packs.pack import finish_reroot
+        from ..packs.reroot import finish_reroot
 
         listing = self._list()
         out = []
@@ -591,7 +591,7 @@ def _reroot_all(d: _Decided, storage_options: dict | None,
     """Run the planned re-roots, oldest first (a base re-rooted first is then the next
     one's); one that fails is reported and leaves its pack, and so its bases, as they
     were. A storage failure stops the run (exit 3): nothing was removed yet."""
-    from ..packs.pack import reroot
+    from ..packs.reroot import reroot
 
     out = []
     for r in d.reroots:

@@ -346,21 +346,41 @@ def promote(src: str, dst: str, src_options: dict | None = None,
                         sfiles=sfiles, on_bytes=on_bytes, on_total=on_total, t0=t0,
                         max_chain=max_chain, single=single)
     if man is None:  # dry run of an unsealed source: what sealing would list
-        from ..formats.manifest import is_temp_name
-
-        names = [r for r in sfiles if not is_control_file(r) and not is_temp_name(r)]
-        where = "/".join(single_target(dst, single)) if single and not pack else dst
-        return PromoteResult(sstore.display(single) if single else sstore.url, where,
-                             "dry-run", "", False, len(names),
-                             sum(sfiles[r] for r in names), to_send=write_order(names, sfiles),
-                             bytes_to_send=sum(sfiles[r] for r in names),
-                             seconds=round(time.monotonic() - t0, 3))
+        return _dry_unsealed(sstore, sfiles, single, dst, pack, t0)
     if single:
         return _promote_single(sstore, sfiles, single, man, raw, sealed, dst, dst_options,
                                limiter=limiter, workers=workers, part_size=part_size,
                                delete_source=delete_source, dry_run=dry_run,
                                on_bytes=on_bytes, on_total=on_total, t0=t0,
                                src_options=src_options)
+    return _promote_folder(sstore, sfiles, man, raw, sealed, dst, dst_options,
+                           carried=carried, limiter=limiter, workers=workers,
+                           part_size=part_size, delete_source=delete_source, dry_run=dry_run,
+                           on_bytes=on_bytes, on_total=on_total, t0=t0,
+                           src_options=src_options)
+
+
+def _dry_unsealed(sstore: Store, sfiles: dict[str, int], single: str | None, dst: str,
+                  pack: bool | None, t0: float) -> PromoteResult:
+    """The dry run of an unsealed source: the files sealing would list, all to send."""
+    from ..formats.manifest import is_temp_name
+
+    names = [r for r in sfiles if not is_control_file(r) and not is_temp_name(r)]
+    where = "/".join(single_target(dst, single)) if single and not pack else dst
+    return PromoteResult(sstore.display(single) if single else sstore.url, where,
+                         "dry-run", "", False, len(names),
+                         sum(sfiles[r] for r in names), to_send=write_order(names, sfiles),
+                         bytes_to_send=sum(sfiles[r] for r in names),
+                         seconds=round(time.monotonic() - t0, 3))
+
+
+def _promote_folder(sstore: Store, sfiles: dict[str, int], man: Manifest, raw: bytes,
+                    sealed: bool, dst: str, dst_options: dict | None, *, carried: dict | None,
+                    limiter: RateLimiter, workers: int, part_size: int, delete_source: bool,
+                    dry_run: bool, on_bytes, on_total, t0: float,
+                    src_options: dict | None) -> PromoteResult:
+    """:func:`promote` of a checkpoint folder by copying its files (``carried``: the base
+    of a delta pack copied as it is); one process."""
     d = _Destination(dst, dst_options, man, man.id)
     if _overlaps(sstore, d.final):
         raise UsageError(f"destination {d.final.url} overlaps the source {sstore.url}")
@@ -381,16 +401,7 @@ def promote(src: str, dst: str, src_options: dict | None = None,
         _check_landed(d.work, man)  # killed between sealing the work folder and its rename
         d._publish()
         return _finish(result, sstore, sfiles, d, delete_source, t0, src_options)
-    header = {"source": man.id}
-    # a dry run reads what a killed run recorded, and writes nothing
-    journal = (Journal.peek(d.journal_path(), header) if dry_run and state == "resume"
-               else Journal(None if dry_run else d.journal_path(), header, durable=not d.local))
-    if state == "resume" and (not d.local or d.ours()):
-        _adopt_published(journal, present, man)
-    elif state == "resume" and not journal.resumed and not dry_run:
-        d.discard_work()  # another source's leftovers: nothing there can be trusted
-        journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
-        present = {}
+    journal, present = _open_journal(d, state, present, man, dry_run)
     todo = _pending(result, journal, man)
     result.to_send = write_order(todo, {r: f.size for r, f in man.files.items()})
     if dry_run:
@@ -403,16 +414,7 @@ def promote(src: str, dst: str, src_options: dict | None = None,
                  part_size=part_size, workers=workers, on_bytes=on_bytes)
     result.server_copy = t.server_copy
     try:
-        order = write_order(list(man.files), {r: f.size for r, f in man.files.items()})
-        markers = [r for r in order if is_format_marker(r)]
-        data = [r for r in order if r not in markers]
-        for batch in (data, markers):
-            for fc in copy_files(t, batch, man, workers):
-                if fc.how != "skipped":
-                    result.files_sent += 1
-                    result.bytes_sent += fc.sent
-                result.parts_sent += fc.parts_sent
-                result.parts_resumed += fc.parts_resumed
+        _send_in_order(t, man, workers, result)
         _check_landed(d.work, man)
         _not_held(sstore)
         d.commit(raw, journal)
@@ -423,82 +425,86 @@ def promote(src: str, dst: str, src_options: dict | None = None,
     return _finish(result, sstore, sfiles, d, delete_source, t0, src_options)
 
 
+def _open_journal(d: _Destination, state: str, present: dict[str, int], man: Manifest,
+                  dry_run: bool) -> tuple[Journal, dict[str, int]]:
+    """(the journal of this copy, the files at the work place): what a killed run of this
+    source left is adopted, another source's leftovers are discarded."""
+    header = {"source": man.id}
+    # a dry run reads what a killed run recorded, and writes nothing
+    journal = (Journal.peek(d.journal_path(), header) if dry_run and state == "resume"
+               else Journal(None if dry_run else d.journal_path(), header, durable=not d.local))
+    if state == "resume" and (not d.local or d.ours()):
+        _adopt_published(journal, present, man)
+    elif state == "resume" and not journal.resumed and not dry_run:
+        d.discard_work()  # another source's leftovers: nothing there can be trusted
+        journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
+        present = {}
+    return journal, present
+
+
+def _send_in_order(t: Transfer, man: Manifest, workers: int, result: PromoteResult) -> None:
+    """Send every file of ``man`` not yet there, data files before the format's commit
+    markers, counting into ``result``."""
+    order = write_order(list(man.files), {r: f.size for r, f in man.files.items()})
+    markers = [r for r in order if is_format_marker(r)]
+    data = [r for r in order if r not in markers]
+    for batch in (data, markers):
+        for fc in copy_files(t, batch, man, workers):
+            if fc.how != "skipped":
+                result.files_sent += 1
+                result.bytes_sent += fc.sent
+            result.parts_sent += fc.parts_sent
+            result.parts_resumed += fc.parts_resumed
+
+
+@dataclass
+class _Prepared:
+    """What rank 0 of a shared promote found and set up before the others join."""
+
+    sstore: Store
+    sfiles: dict[str, int]
+    man: Manifest
+    raw: bytes
+    sealed: bool
+    d: _Destination
+    state: str
+    journal: Journal | None  # None when DST is done
+    go: dict  # what rank 0 broadcasts: the manifest, and whether DST is done
+
+
 def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwlimit, workers,
                     part_size, delete_source, on_bytes, on_total, t0) -> PromoteResult:
     """:func:`promote` as one process of ``group`` (:mod:`~ckptctl.writing.distributed`)."""
-    from ..writing.distributed import RankFailed, error_doc
+    from ..writing.distributed import error_doc
 
     rate = parse_rate(bwlimit)
     limiter = RateLimiter(rate / group.world_size if rate else rate)
     r0 = group.rank == 0
-    d = place = journal = None
-    try:
-        if r0:
-            sstore, sfiles, man, raw, sealed, _ = _source(src, src_options, dry_run=False,
-                                                          workers=workers)
-            d = _Destination(dst, dst_options, man, man.id)
-            if _overlaps(sstore, d.final):
-                raise UsageError(f"destination {d.final.url} overlaps the source {sstore.url}")
-            state, present = d.state()
-            done = state == "committed" or (state == "resume" and d.local and MANIFEST in present)
-            if not done:
-                journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
-                if state == "resume" and (not d.local or d.ours()):
-                    _adopt_published(journal, present, man)
-                elif state == "resume" and not journal.resumed:
-                    d.discard_work()  # another source's leftovers
-                    journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
-                if WRITING_MARKER not in present:
-                    d.begin(journal.path)
-            go = {"error": None, "done": done, "manifest": raw.decode()}
-        else:
-            go = None
-    except BaseException as e:
-        if journal is not None:
-            journal.close()
-        if group.backend == "gloo":  # files: the meeting place is DST, not ours yet
-            group.broadcast({"error": error_doc(e)})
-        raise
-    place = (d.work if r0 else _Destination(dst, dst_options, None, None).work) \
+    prep = _prepare_shared(group, src, dst, src_options, dst_options, workers) if r0 else None
+    place = (prep.d.work if r0 else _Destination(dst, dst_options, None, None).work) \
         if group.backend == "files" else None
-    try:
-        go = group.broadcast(go, place)
-    except BaseException:
-        if journal is not None:
-            journal.close()
-        raise
-    if go.get("error") is not None:
-        e = go["error"]
-        raise RankFailed(f"rank 0 failed: {e['message']}", e["exit_code"], e["code"])
+    go = _meet(group, prep, place)
     if r0 and go["done"]:  # committed already, or killed just before its rename
-        group.gather({"error": None}, place)
-        group.clear(place)
-        if place is not None and d.local and state == "committed":
-            try:  # the rendezvous made the work folder: nothing is to be published from it
-                os.rmdir(d.work.root)
-            except OSError:
-                pass
+        _release_done(group, place, prep)
         return promote(src, dst, src_options, dst_options, bwlimit=bwlimit, workers=workers,
                        part_size=part_size, delete_source=delete_source)
-    if not r0:
-        man = Manifest.parse(go["manifest"].encode(), src)
-        sstore = locate(src, src_options)[0]
-        d = _Destination(dst, dst_options, man, man.id)
-        result = PromoteResult(sstore.url, d.final.url, "up-to-date" if go["done"] else
-                               "promoted", man.checkpoint_id, False, len(man.files),
-                               man.total_bytes)
+    if r0:
+        sstore, man, d, journal = prep.sstore, prep.man, prep.d, prep.journal
+        result = PromoteResult(sstore.url, d.final.url, "promoted", man.checkpoint_id,
+                               prep.sealed, len(man.files), man.total_bytes,
+                               source_unsealed=MANIFEST not in prep.sfiles)
+        if on_total:
+            on_total(man.total_bytes)
+    else:
+        sstore, d, result = _join_shared(go, src, dst, src_options, dst_options)
+        man = d.man
         if go["done"]:
             group.gather({"error": None}, place)
             result.seconds = round(time.monotonic() - t0, 3)
             return result
-        journal = Journal(f"{d.journal_path()}.rank{group.rank}", {"source": man.id}, durable=not d.local)
+        journal = Journal(f"{d.journal_path()}.rank{group.rank}", {"source": man.id},
+                          durable=not d.local)
         _adopt_published(journal, d.work.list_files_if_any(), man)
-    else:
-        result = PromoteResult(sstore.url, d.final.url, "promoted", man.checkpoint_id, sealed,
-                               len(man.files), man.total_bytes,
-                               source_unsealed=MANIFEST not in sfiles)
-        if on_total:
-            on_total(man.total_bytes)
     sizes = {rel: f.size for rel, f in man.files.items()}
     order = write_order(list(man.files), sizes)
     markers = [rel for rel in order if is_format_marker(rel)]
@@ -508,59 +514,152 @@ def _promote_shared(group, src: str, dst: str, src_options, dst_options, *, bwli
     result.server_copy = t.server_copy
     counts = {"files_sent": 0, "bytes_sent": 0, "parts_sent": 0, "parts_resumed": 0,
               "files_skipped": 0}
-
-    def send(names):
-        for fc in copy_files(t, names, man, workers):
-            if fc.how != "skipped":
-                counts["files_sent"] += 1
-                counts["bytes_sent"] += fc.sent
-            else:
-                counts["files_skipped"] += 1
-            counts["parts_sent"] += fc.parts_sent
-            counts["parts_resumed"] += fc.parts_resumed
-
     own = None
     try:
-        send(mine)
+        _send_counted(t, mine, man, workers, counts)
     except BaseException as e:  # noqa: BLE001 - every process must reach the gather
         own = e
     if not r0:
-        t.close()
-        if own is None:
-            journal.remove()  # this share is published: adoption finds it on a rerun
-        else:
-            journal.close()
+        return _end_share(group, place, t, journal, own, counts, result, t0)
     try:
         docs = group.gather({"error": error_doc(own) if own else None, **counts}, place)
-        if not r0:
-            if own is not None:
-                raise own
-            for k, v in counts.items():
-                setattr(result, k, v)
-            result.seconds = round(time.monotonic() - t0, 3)
-            return result
         group.clear(place)
-        for r, doc in enumerate(docs):
-            if doc["error"] is not None:
-                if r == 0:
-                    raise own
-                e = doc["error"]
-                raise RankFailed(f"rank {r} failed: {e['message']} (nothing was committed, "
-                                 "rerun to resume)", e["exit_code"], e["code"])
+        _raise_failed(docs, own)
         for k in counts:
             setattr(result, k, sum(doc[k] for doc in docs))
         before = counts["files_sent"], counts["bytes_sent"]
-        send(markers)  # the format's markers after every process's data
+        _send_counted(t, markers, man, workers, counts)  # after every process's data
         result.files_sent += counts["files_sent"] - before[0]
         result.bytes_sent += counts["bytes_sent"] - before[1]
         _check_landed(d.work, man)
         _not_held(sstore)
-        d.commit(raw, journal)
+        d.commit(prep.raw, journal)
     finally:
-        if r0:
-            t.close()
+        t.close()
+        journal.close()
+    return _finish(result, sstore, prep.sfiles, d, delete_source, t0, src_options)
+
+
+def _prepare_shared(group, src: str, dst: str, src_options, dst_options,
+                    workers: int) -> _Prepared:
+    """Rank 0, before the others join: the source (sealed if need be), DST checked and,
+    unless done, its journal opened and marker written; a failure reaches the others
+    first where the meeting place is not DST."""
+    from ..writing.distributed import error_doc
+
+    journal = None
+    try:
+        sstore, sfiles, man, raw, sealed, _ = _source(src, src_options, dry_run=False,
+                                                      workers=workers)
+        d = _Destination(dst, dst_options, man, man.id)
+        if _overlaps(sstore, d.final):
+            raise UsageError(f"destination {d.final.url} overlaps the source {sstore.url}")
+        state, present = d.state()
+        done = state == "committed" or (state == "resume" and d.local and MANIFEST in present)
+        if not done:
+            journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
+            if state == "resume" and (not d.local or d.ours()):
+                _adopt_published(journal, present, man)
+            elif state == "resume" and not journal.resumed:
+                d.discard_work()  # another source's leftovers
+                journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
+            if WRITING_MARKER not in present:
+                d.begin(journal.path)
+        go = {"error": None, "done": done, "manifest": raw.decode()}
+        return _Prepared(sstore, sfiles, man, raw, sealed, d, state, journal, go)
+    except BaseException as e:
+        if journal is not None:
             journal.close()
-    return _finish(result, sstore, sfiles, d, delete_source, t0, src_options)
+        if group.backend == "gloo":  # files: the meeting place is DST, not ours yet
+            group.broadcast({"error": error_doc(e)})
+        raise
+
+
+def _meet(group, prep: _Prepared | None, place) -> dict:
+    """Rank 0's word (``prep.go``) broadcast to every process; a rank 0 that failed stops
+    the others (RankFailed)."""
+    from ..writing.distributed import RankFailed
+
+    try:
+        go = group.broadcast(prep.go if prep is not None else None, place)
+    except BaseException:
+        if prep is not None and prep.journal is not None:
+            prep.journal.close()
+        raise
+    if go.get("error") is not None:
+        e = go["error"]
+        raise RankFailed(f"rank 0 failed: {e['message']}", e["exit_code"], e["code"])
+    return go
+
+
+def _release_done(group, place, prep: _Prepared) -> None:
+    """Rank 0, DST already done: let the others go and clear the meeting place."""
+    group.gather({"error": None}, place)
+    group.clear(place)
+    if place is not None and prep.d.local and prep.state == "committed":
+        try:  # the rendezvous made the work folder: nothing is to be published from it
+            os.rmdir(prep.d.work.root)
+        except OSError:
+            pass
+
+
+def _join_shared(go: dict, src: str, dst: str, src_options,
+                 dst_options) -> tuple[Store, _Destination, PromoteResult]:
+    """A process other than rank 0: (the source's store, DST, its result), from rank 0's
+    manifest."""
+    man = Manifest.parse(go["manifest"].encode(), src)
+    sstore = locate(src, src_options)[0]
+    d = _Destination(dst, dst_options, man, man.id)
+    result = PromoteResult(sstore.url, d.final.url, "up-to-date" if go["done"] else
+                           "promoted", man.checkpoint_id, False, len(man.files),
+                           man.total_bytes)
+    return sstore, d, result
+
+
+def _send_counted(t: Transfer, names: list[str], man: Manifest, workers: int,
+                  counts: dict[str, int]) -> None:
+    """Send ``names``, counting files, bytes and parts into ``counts``."""
+    for fc in copy_files(t, names, man, workers):
+        if fc.how != "skipped":
+            counts["files_sent"] += 1
+            counts["bytes_sent"] += fc.sent
+        else:
+            counts["files_skipped"] += 1
+        counts["parts_sent"] += fc.parts_sent
+        counts["parts_resumed"] += fc.parts_resumed
+
+
+def _end_share(group, place, t: Transfer, journal: Journal, own: BaseException | None,
+               counts: dict[str, int], result: PromoteResult, t0: float) -> PromoteResult:
+    """A process other than rank 0, its share sent or failed: report to rank 0, then
+    return its own counts or raise its failure."""
+    from ..writing.distributed import error_doc
+
+    t.close()
+    if own is None:
+        journal.remove()  # this share is published: adoption finds it on a rerun
+    else:
+        journal.close()
+    group.gather({"error": error_doc(own) if own else None, **counts}, place)
+    if own is not None:
+        raise own
+    for k, v in counts.items():
+        setattr(result, k, v)
+    result.seconds = round(time.monotonic() - t0, 3)
+    return result
+
+
+def _raise_failed(docs: list[dict], own: BaseException | None) -> None:
+    """Rank 0: raise the first failure the processes reported (its own as it was)."""
+    from ..writing.distributed import RankFailed
+
+    for r, doc in enumerate(docs):
+        if doc["error"] is not None:
+            if r == 0:
+                raise own
+            e = doc["error"]
+            raise RankFailed(f"rank {r} failed: {e['message']} (nothing was committed, "
+                             "rerun to resume)", e["exit_code"], e["code"])
 
 
 def _promote_single(sstore: Store, sfiles: dict[str, int], single: str, man: Manifest,
@@ -757,7 +856,7 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
     (:func:`~ckptctl.formats.locate.single_target`)."""
     from ..formats.pack import is_pack, read_index
     from ..packs.pack import pack as do_pack
-    from ..packs.pack import unpack as do_unpack
+    from ..packs.unpack import unpack as do_unpack
 
     want = man.checkpoint_id  # a pack restores its source; plain: the manifest's own id
     one = None if pack else read_index(sstore, sfiles).single  # unpacks to that one file
@@ -973,7 +1072,7 @@ def _restores_without(final: Store, options: dict | None, source: Store,
     """
     from ..formats.detect import group_checkpoints
     from ..formats.pack import ChainWalk, PackStore, is_pack, open_pack
-    from ..integrity.verify import base_unrestorable
+    from ..catalog.checks import base_unrestorable
 
     files = final.list_files_if_any()
     if not is_pack(files):
