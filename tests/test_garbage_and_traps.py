@@ -243,7 +243,7 @@ def test_the_longer_of_two_overlapping_secrets_is_masked_whole():
 def test_tier_probe_reasons_are_scrubbed_by_token(monkeypatch):
     from ckptctl.tiering.config import Tier
     from ckptctl.errors import StorageError
-    from ckptctl.ops import tiers
+    from ckptctl.tiering import tiers
 
     def refuse(tier):
         raise StorageError(tier.url, "remote unreachable (secret a, key a)")
