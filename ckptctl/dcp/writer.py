@@ -28,7 +28,7 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-from ._deps import require_torch
+from .._deps import require_torch
 
 require_torch("ckptctl.dcp")
 
@@ -38,11 +38,11 @@ from torch.distributed.checkpoint.metadata import MetadataIndex  # noqa: E402
 from torch.distributed.checkpoint.planner import WriteItemType  # noqa: E402
 from torch.distributed.checkpoint.storage import WriteResult  # noqa: E402
 
-from .errors import CkptError, Finding, UnsafeInputError, UsageError  # noqa: E402
-from .formats.detect import open_checkpoint  # noqa: E402
-from .formats.manifest import MANIFEST  # noqa: E402
-from .writing.commit import commit, manifest_for  # noqa: E402
-from .storage import HashingWriter, normalize_algo, open_store  # noqa: E402
+from ..errors import CkptError, Finding, UnsafeInputError, UsageError  # noqa: E402
+from ..formats.detect import open_checkpoint  # noqa: E402
+from ..formats.manifest import MANIFEST  # noqa: E402
+from ..writing.commit import commit, manifest_for  # noqa: E402
+from ..storage import HashingWriter, normalize_algo, open_store  # noqa: E402
 
 #: The fqn prefix of the extra write results that carry one file's (digest, size) from
 #: its rank to the coordinator; ``finish`` takes them out before ``.metadata`` is written.
@@ -158,8 +158,8 @@ def refusal(fqn: str, data: bytes) -> str | None:
     """
     from types import SimpleNamespace
 
-    from .formats.tensorio import scan_object
-    from .model import Extent, ObjectEntry
+    from ..formats.tensorio import scan_object
+    from ..model import Extent, ObjectEntry
 
     here = SimpleNamespace(store=SimpleNamespace(display=lambda rel: fqn))
     try:

@@ -1,0 +1,229 @@
+"""``dcp.load`` through :class:`ckptctl.dcp.Reader` (issue 37), from one process: every
+source loads bit for bit equal to what was saved (DCP with objects and zstd, an HF folder
+of shards, a torch.save file with a transposed view, a delta pack whose base is on S3),
+names map with ``prefix`` and ``rename``, and what must not load does not: a hostile
+pickle is refused before any entry is loaded, and a flipped byte in a sealed source makes
+the load raise with the destination untouched. The torchrun loads at other meshes are in
+``tests/test_dcp_reader_torchrun.py``.
+"""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+dcp = pytest.importorskip("torch.distributed.checkpoint")
+
+from conftest import dcp_save  # noqa: E402
+from test_conversion_unsafe import _hostile_dcp  # noqa: E402
+
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+
+from ckptctl.dcp import Reader  # noqa: E402
+from ckptctl.errors import CkptError, Finding, UsageError  # noqa: E402
+
+pytest_plugins = ["fixtures_s3"]
+
+
+def _load(state: dict, reader: Reader) -> dict:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled": one process
+        dcp.load(state, storage_reader=reader)
+    return state
+
+
+def _zeros_like(sd):
+    """The same tree, tensors zeroed, every other leaf None (to be loaded)."""
+    if isinstance(sd, dict):
+        return {k: _zeros_like(v) for k, v in sd.items()}
+    if isinstance(sd, (list, tuple)):
+        return type(sd)(_zeros_like(v) for v in sd)
+    if isinstance(sd, torch.Tensor):
+        return torch.zeros_like(sd)
+    return None
+
+
+def _state(seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"emb.weight": torch.randn(12, 8, generator=g),
+                      "norm.weight": torch.randn(8, generator=g).to(torch.bfloat16),
+                      "head.bias": torch.arange(5, dtype=torch.int64),
+                      "scale": torch.tensor(0.5)},
+            "optim": {"state": {"emb.weight": {"exp_avg": torch.randn(12, 8, generator=g)}},
+                      "param_groups": [{"lr": 0.01, "betas": (0.9, 0.95)}]},
+            "step": 42}
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dim() else a,
+                                                  b.view(torch.uint8) if b.dim() else b)
+    return a == b
+
+
+@pytest.mark.parametrize("zstd", [False, True])
+def test_a_dcp_checkpoint_loads_as_saved(tmp_path, zstd):
+    sd = _state()
+    dcp_save(tmp_path / "ck", sd, zstd=zstd)
+    out = _zeros_like(sd)
+    r = Reader(tmp_path / "ck")
+    _load(out, r)
+    assert _equal(out, sd)
+    assert r.bytes_read == sum(t.numel() * t.element_size() for t in (
+        sd["model"]["emb.weight"], sd["model"]["norm.weight"], sd["model"]["head.bias"],
+        sd["optim"]["state"]["emb.weight"]["exp_avg"]))  # + the 0-dim scale, read whole
+
+
+def test_a_partial_state_dict_reads_only_what_it_names(tmp_path):
+    sd = _state()
+    dcp_save(tmp_path / "ck", sd)
+    out = {"model": {"emb.weight": torch.zeros(12, 8)}}
+    r = Reader(tmp_path / "ck")
+    _load(out, r)
+    assert torch.equal(out["model"]["emb.weight"], sd["model"]["emb.weight"])
+    assert r.bytes_read == 12 * 8 * 4
+
+
+def test_an_hf_folder_of_shards_loads_under_a_prefix(tmp_path):
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    w = {"a.weight": torch.randn(6, 4, generator=g).to(torch.bfloat16),
+         "b.weight": torch.randn(3, 4, generator=g), "b.bias": torch.randn(3, generator=g)}
+    d = tmp_path / "hf"
+    d.mkdir()
+    shards = {"a.weight": "model-00001-of-00002.safetensors",
+              "b.weight": "model-00002-of-00002.safetensors",
+              "b.bias": "model-00002-of-00002.safetensors"}
+    for f in sorted(set(shards.values())):
+        save_file({n: w[n] for n, s in shards.items() if s == f}, str(d / f))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": shards}))
+    out = {"model": {n: torch.zeros_like(t) for n, t in w.items()}}
+    _load(out, Reader(d, prefix=("", "model.")))
+    assert _equal(out["model"], w)
+
+
+def test_a_torch_save_file_with_a_transposed_view_loads(tmp_path):
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(5, 9, generator=g)
+    torch.save({"w": w.t(), "step": 7}, tmp_path / "train.pt")
+    out = {"w": torch.zeros(9, 5), "step": 0}
+    _load(out, Reader(tmp_path / "train.pt"))
+    assert torch.equal(out["w"], w.t()) and out["step"] == 7
+
+
+def test_a_strided_destination_is_filled_in_place(tmp_path):
+    sd = _state()
+    dcp_save(tmp_path / "ck", sd)
+    big = torch.zeros(8, 12)
+    out = {"model": {"emb.weight": big.t()}}  # a view whose rows are not contiguous
+    _load(out, Reader(tmp_path / "ck"))
+    assert torch.equal(big.t(), sd["model"]["emb.weight"])
+
+
+def test_rename_maps_and_drops_entries(tmp_path):
+    sd = _state()
+    dcp_save(tmp_path / "ck", sd)
+    out = {"emb": torch.zeros(12, 8)}
+    _load(out, Reader(tmp_path / "ck", rename=lambda n: "emb" if n == "model.emb.weight"
+                      else None))
+    assert torch.equal(out["emb"], sd["model"]["emb.weight"])
+    with pytest.raises(UsageError, match="two entries are renamed"):
+        Reader(tmp_path / "ck", rename=lambda n: "same").read_metadata()
+
+
+def test_a_delta_pack_with_its_base_on_s3_loads_as_its_source(tmp_path, s3_bucket):
+    from ckptctl.packs.pack import pack
+
+    base_sd, sd = _state(0), _state(0)
+    sd["model"]["emb.weight"][3] += 1.0
+    dcp_save(tmp_path / "src" / "step-10", base_sd)
+    dcp_save(tmp_path / "src" / "step-20", sd)
+    opts = s3_bucket.storage_options
+    pack(str(tmp_path / "src" / "step-10"), s3_bucket.url("run/step-10"), workers=1,
+         dst_storage_options=opts)
+    pack(str(tmp_path / "src" / "step-20"), s3_bucket.url("run/step-20"),
+         base=s3_bucket.url("run/step-10"), workers=1, base_storage_options=opts,
+         dst_storage_options=opts)
+    out = _zeros_like(sd)
+    _load(out, Reader(s3_bucket.url("run/step-20"), opts))
+    assert _equal(out, sd)
+
+
+def test_a_hostile_pickle_loads_nothing(tmp_path):
+    marker = tmp_path / "PAYLOAD-RAN"
+    tensors = _hostile_dcp(tmp_path / "ck", marker)
+    out = {"model": {n: torch.zeros_like(t) for n, t in tensors.items()}, "step": 0,
+           "extra": {"payload": None}}
+    with pytest.raises(CheckpointException) as e:  # DCP's wrapper of each rank's error
+        _load(out, Reader(tmp_path / "ck"))
+    assert "object entry 'extra.payload' names posix.system" in str(e.value), e.value
+    assert not marker.exists()
+    assert all(not t.any() for t in out["model"].values()) and out["step"] == 0
+
+
+def _rank_error(e: CheckpointException) -> BaseException:
+    """The error rank 0 raised inside DCP's wrapper."""
+    return e.failures[0][0] if isinstance(e.failures[0], tuple) else e.failures[0]
+
+
+def _flip_data_byte(folder, tensor) -> str:
+    """Flip one byte of ``tensor``'s data where it lies in ``folder``'s files; returns the
+    file's name."""
+    data = tensor.numpy().tobytes()
+    for f in sorted(folder.iterdir()):
+        raw = bytearray(f.read_bytes())
+        at = raw.find(data)
+        if at >= 0:
+            raw[at + 5] ^= 0x01
+            f.write_bytes(bytes(raw))
+            return f.name
+    raise AssertionError("the tensor's bytes are in no file")
+
+
+def test_a_flipped_byte_in_a_sealed_source_raises_and_loads_nothing(tmp_path, cli):
+    sd = _state()
+    dcp_save(tmp_path / "ck", sd)
+    assert cli("seal", str(tmp_path / "ck"))[0] == 0
+    name = _flip_data_byte(tmp_path / "ck", sd["model"]["emb.weight"])
+    out = _zeros_like(sd)
+    with pytest.raises(CheckpointException) as e:  # DCP's wrapper of each rank's error
+        _load(out, Reader(tmp_path / "ck"))
+    err = _rank_error(e.value)
+    assert isinstance(err, Finding) and err.code == "HASH_MISMATCH" and name in str(err), err
+    assert all(not t.any() for t in out["model"].values())
+
+
+def test_a_flipped_byte_in_an_unsealed_source_fails_its_crc_and_loads_nothing(tmp_path):
+    sd = _state()
+    dcp_save(tmp_path / "ck", sd)
+    name = _flip_data_byte(tmp_path / "ck", sd["model"]["emb.weight"])
+    out = _zeros_like(sd)
+    with pytest.raises(CheckpointException) as e:
+        _load(out, Reader(tmp_path / "ck"))
+    err = _rank_error(e.value)
+    assert isinstance(err, Finding) and "CRC" in err.code and name in str(err), err
+    assert all(not t.any() for t in out["model"].values())
+    _load(out, Reader(tmp_path / "ck", verify=False))  # asked not to check: it loads
+    assert not _equal(out["model"], sd["model"])
+
+
+def test_verify_needs_a_manifest(tmp_path):
+    dcp_save(tmp_path / "ck", _state())
+    with pytest.raises(UsageError, match="needs a sealed checkpoint"):
+        Reader(tmp_path / "ck", verify=True).read_metadata()
+
+
+def test_a_checkpoint_ckptctl_refuses_is_refused_by_name(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "notes.txt").write_text("no checkpoint here")
+    with pytest.raises(CkptError):
+        Reader(tmp_path / "ck").read_metadata()
+    assert not issubclass(Finding, UsageError)
