@@ -115,6 +115,8 @@ def reshard(
                       human_bytes(x["write_bytes"]), ", ".join(x["read_files"][:4])
                       + (" ..." if len(x["read_files"]) > 4 else "")] for x in r.ranks],
                     title=f"plan: {r.src} -> {r.dst} at {r.mesh} ({plural(r.world_size, 'rank')})")
+        say(f"or, with no copy, a job at {r.mesh} loads the source in place: dcp.load("
+            f"state_dict, storage_reader=ckptctl.dcp.Reader({str(r.src)!r}))", quiet=quiet)
         return
     say(f"{r.dst}: {plural(r.world_size, 'rank')} ({r.mesh}), {plural(r.num_chunks, 'chunk')}, "
         f"{human_bytes(r.bytes)} in {plural(r.num_files, 'file')} ({r.seconds:.2f}s)", quiet=quiet)
