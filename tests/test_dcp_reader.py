@@ -227,3 +227,47 @@ def test_a_checkpoint_ckptctl_refuses_is_refused_by_name(tmp_path):
     with pytest.raises(CkptError):
         Reader(tmp_path / "ck").read_metadata()
     assert not issubclass(Finding, UsageError)
+
+
+DS_VARIANTS = [("z1-bf16", 2), ("z2-fp16", 2), ("z3-bf16", 2), ("z2-fp32", 3), ("z3-fp32", 3)]
+
+
+def _empty_like_entries(ck, prefixes: tuple[str, ...]) -> dict:
+    """A flat state dict of zeros shaped like ``ck``'s tensors under ``prefixes``."""
+    return {n: torch.zeros(t.shape, dtype=getattr(torch, t.dtype.name))
+            for n, t in ck.tensors.items() if n.startswith(prefixes)}
+
+
+@pytest.mark.parametrize("name, world", DS_VARIANTS, ids=[f"{n}-w{w}" for n, w in DS_VARIANTS])
+@pytest.mark.parametrize("universal", [False, True], ids=["zero", "universal"])
+def test_deepspeed_loads_equal_deepspeeds_own_view(deepspeed_ckpts, name, world, universal):
+    """Weights and Adam state of a DeepSpeed checkpoint (and of its ds_to_universal join),
+    loaded through the Reader from one process, equal DeepSpeed's load_checkpoint view."""
+    from ckptctl.formats.detect import open_checkpoint
+
+    v = deepspeed_ckpts.variant(name, world)
+    src = v.universal_tag if universal else v.tag_dir
+    if src is None:
+        pytest.skip(f"{name}: no universal checkpoint in the fixture")
+    ck = open_checkpoint(str(src))
+    out = _empty_like_entries(ck, ("model.", "optim.state."))
+    _load(out, Reader(src, rename=lambda n: n if n in out else None))
+    full = v.load_full()
+    for n in v.entry["trainable"]:
+        assert torch.equal(out[f"model.{n}"], full[f"param.{n}"]), n
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(out[f"optim.state.{n}.{key}"], full[f"{key}.{n}"]), (n, key)
+
+
+@pytest.mark.parametrize("layout", ["legacy-tp2pp2", "legacy-tp4"])
+def test_megatron_legacy_rank_folders_load_as_the_full_tensors(megatron_ckpts, layout):
+    """A legacy TP x PP folder, merged by the Reader at load time, equals the full tensors
+    its rank files were cut from."""
+    from ckptctl.formats.detect import open_checkpoint
+
+    run = megatron_ckpts.legacy(layout)
+    src = run.run / ("release" if run.entry.get("release") else "iter_0000020")
+    out = _empty_like_entries(open_checkpoint(str(src)), ("model.",))
+    _load(out, Reader(src, rename=lambda n: n if n in out else None))
+    full = run.load_full()["model"]
+    assert out and all(torch.equal(t, full[n[len("model."):]]) for n, t in out.items())

@@ -102,7 +102,8 @@ class Reader(StorageReader):
         self.objects: dict[str, str] = {}
         self.verified: dict[str, Future] = {}
         self.lock = threading.Lock()
-        self.bytes_read = 0
+        #: tensor bytes read into destinations; bytes read to check files first
+        self.bytes_read = self.bytes_checked = 0
 
     # -------------------------------------------------- the StorageReader protocol
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
@@ -242,6 +243,7 @@ class Reader(StorageReader):
 
         r, _ = check_and_hash(self.url, self.opts, algo="xxh3-128", names=files,
                               workers=self.workers)
+        self.bytes_checked += r.bytes_read
         errors = [p for p in r.problems if p.severity == "error"]
         if errors:
             p = errors[0]
@@ -270,7 +272,9 @@ class Reader(StorageReader):
         if rec is None:
             raise Finding(where, "not listed in the manifest: its bytes cannot be checked",
                           code=ProblemCode.EXTRA_FILE)
-        digest, _ = hash_file(ck.store, rel, man.hash)
+        digest, n = hash_file(ck.store, rel, man.hash)
+        with self.lock:
+            self.bytes_checked += n
         if digest != rec.hash:
             raise Finding(where, f"content hash differs from the manifest "
                           f"({man.hash}): nothing was loaded from it",
