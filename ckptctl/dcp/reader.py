@@ -21,10 +21,11 @@ zstd chunks decoded: :func:`~ckptctl.integrity.verify.check_and_hash`); a mismat
 
 >>> import torch.distributed.checkpoint as dcp                       # doctest: +SKIP
 >>> from ckptctl.dcp import Reader                                   # doctest: +SKIP
->>> dcp.load(state_dict, storage_reader=Reader("s3://runs/ds-zero3/global_step100"))  # doctest: +SKIP
+>>> dcp.load(state_dict, storage_reader=Reader("s3://runs/ds/global_step100"))  # doctest: +SKIP
 """
 from __future__ import annotations
 
+import io
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -154,17 +155,24 @@ class Reader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
-        """Read every item of this rank's plan into its destination, ``workers`` at a time."""
-        items = sorted(plan.items, key=lambda r: (r.type != LoadItemType.BYTE_IO,
-                                                  r.storage_index.fqn))
+        """Read every item of this rank's plan into its destination: tensors ``workers`` at
+        a time (each straight into its destination's memory where that is contiguous),
+        objects handed to the planner from this thread (a planner need not be thread-safe
+        for them; DCP's sets them into the state dict)."""
+        items = sorted(plan.items, key=lambda r: r.storage_index.fqn)
         with ThreadPoolExecutor(self.workers) as pool:
             files = sorted({self._file_of(r) for r in items} - {None})
             if self.verify is not False and self.manifest is not None:
                 list(pool.map(self._check_file, files))  # before anything loads
             elif self.verify is None and files:
                 self._check_format(files)
-            for f in [pool.submit(self._read_item, r, planner) for r in items]:
+            tensors = [r for r in items if r.type != LoadItemType.BYTE_IO]
+            for f in [pool.submit(self._read_tensor, r, planner) for r in tensors]:
                 f.result()
+        for r in items:
+            if r.type == LoadItemType.BYTE_IO:
+                name = self.objects[r.storage_index.fqn]
+                planner.load_bytes(r, io.BytesIO(object_payload(self.ck, name)))
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(None)
         return done
@@ -192,17 +200,10 @@ class Reader(StorageReader):
             return ext.file if ext is not None else None
         return self.chunks[req.storage_index.fqn, tuple(req.storage_index.offset)][1].extent.file
 
-    def _read_item(self, req: ReadItem, planner: LoadPlanner) -> None:
-        ck = self._open()
-        if req.type == LoadItemType.BYTE_IO:
-            import io
-
-            name = self.objects[req.storage_index.fqn]
-            planner.load_bytes(req, io.BytesIO(object_payload(ck, name)))
-            return
+    def _read_tensor(self, req: ReadItem, planner: LoadPlanner) -> None:
         t, c = self.chunks[req.storage_index.fqn, tuple(req.storage_index.offset)]
         dest = planner.resolve_tensor(req).detach()
-        self._fill(ck, t, c, req, dest)
+        self._fill(self.ck, t, c, req, dest)
         planner.commit_tensor(req, dest)
 
     def _fill(self, ck: Checkpoint, t: TensorEntry, c: Chunk, req: ReadItem,
