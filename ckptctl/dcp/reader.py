@@ -111,12 +111,13 @@ class Reader(StorageReader):
         if checkpoint_id is not None:
             self.url = str(checkpoint_id)
         self.ck, self.chunks, self.objects, self.verified = None, {}, {}, {}
+        self.bytes_read = self.bytes_checked = 0
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
         return isinstance(checkpoint_id, (str, os.PathLike))
 
-    def read_metadata(self, *args, **kwargs) -> Metadata:
+    def read_metadata(self) -> Metadata:  # no **kwargs: DCP would retry it per rank
         """The logical tensors and objects, renamed; refuses (``UNSAFE_INPUT``) an object
         entry the safe loader refuses before anything is loaded."""
         ck = self._open()
