@@ -152,6 +152,24 @@ class CkptError(Exception):
         self.code = code or self.default_code
         super().__init__(f"{path}: {message}" if path else message)
 
+    def __reduce__(self):
+        """Pickled whole, whatever a subclass's ``__init__`` takes: torch's DCP gathers
+        each rank's error to the others as a pickle.
+
+        >>> import pickle
+        >>> e = pickle.loads(pickle.dumps(UsageError("bad flag", "x")))
+        >>> type(e).__name__, e.path, e.message, e.code == "USAGE", str(e)
+        ('UsageError', 'x', 'bad flag', True, 'x: bad flag')
+        """
+        return _rebuilt, (type(self), self.args, dict(self.__dict__))
+
+
+def _rebuilt(cls: type, args: tuple, state: dict) -> "CkptError":
+    e = cls.__new__(cls)
+    Exception.__init__(e, *args)
+    e.__dict__.update(state)
+    return e
+
 
 class UsageError(CkptError):
     """Bad flag, bad layout spec, contradictory options (exit 2)."""

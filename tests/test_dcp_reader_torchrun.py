@@ -182,3 +182,52 @@ def test_megatron_torch_dist_loads_as_load_plain_tensors(megatron_ckpts, layout,
     assert [k for k, want in plain.items() if not _same(sd[k], want)] == []
     assert reader.bytes_read == sum(t.numel() * t.element_size() for t in plain.values()
                                     if t.dim())
+
+
+# ------------------------------------------------------------------ 4. checks shared by ranks
+
+
+def _two_file_dcp(path: Path) -> dict:
+    """A DCP checkpoint saved by one process: every tensor in one file (both ranks of a
+    2-rank load read from it)."""
+    from conftest import dcp_save
+
+    g = torch.Generator().manual_seed(3)
+    sd = {"model": {"w": torch.randn(64, 16, generator=g), "v": torch.randn(32, generator=g)}}
+    dcp_save(path, sd)
+    return sd
+
+
+def _checks(tmp_path: Path, ckpt: Path, nproc: int = 2) -> list[dict]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc_per_node={nproc}", str(WORKER.with_name("reader_checks.py")),
+           "--ckpt", str(ckpt), "--out", str(tmp_path)]
+    for _ in (1, 2):  # the one retry test_reshard_torchrun makes: a port taken in between
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
+                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        if p.returncode == 0 or "address already in use" not in (p.stdout + p.stderr).lower():
+            break
+    assert p.returncode == 0, _tail(p, 60)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.mark.slow
+def test_ranks_check_each_file_once_and_all_refuse_a_bad_one(tmp_path, cli):
+    """Sealed: the one data file both ranks read is hashed by one rank only, and its verdict
+    reaches the other before either loads; a flipped byte there makes both ranks raise with
+    nothing written."""
+    from test_dcp_reader import _flip_data_byte
+
+    sd = _two_file_dcp(tmp_path / "ck")
+    assert cli("seal", str(tmp_path / "ck"))[0] == 0
+    size = (tmp_path / "ck" / "__0_0.distcp").stat().st_size
+    good = _checks(tmp_path / "good", tmp_path / "ck") if (tmp_path / "good").mkdir() is None \
+        else None
+    assert [r["error"] for r in good] == [None, None]
+    assert sorted(r["bytes_checked"] for r in good) == [0, size]  # once, by one rank
+    assert sum(r["bytes_read"] for r in good) == (64 * 16 + 32) * 4  # each its own shard
+    _flip_data_byte(tmp_path / "ck", sd["model"]["w"])
+    (tmp_path / "bad").mkdir()
+    bad = _checks(tmp_path / "bad", tmp_path / "ck")
+    assert [r["error"] for r in bad] == ["HASH_MISMATCH"] * 2, bad
+    assert not any(r["written"] for r in bad)

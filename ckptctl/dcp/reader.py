@@ -25,10 +25,11 @@ zstd chunks decoded: :func:`~ckptctl.integrity.verify.check_and_hash`); a mismat
 """
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import threading
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Mapping
 
 import numpy as np
@@ -41,7 +42,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 
 from ..convert.copier import check_objects, fill_rows, object_payload, row_ranges
 from ..convert.planner import Piece, TargetChunk
-from ..errors import Finding, ProblemCode, UsageError
+from ..errors import Finding, UsageError
 from ..formats.detect import locate, open_checkpoint
 from ..formats.manifest import read_manifest
 from ..formats.pack import pack_view
@@ -51,6 +52,34 @@ from ..storage import hash_file
 
 #: Bytes one read of rows may stage before it is copied into its destination.
 BLOCK = 32 << 20
+
+def default_world_size() -> int:
+    """Ranks in torch's default process group (1 without one)."""
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def assign_checks(needs: list[list[str]], sizes: dict[str, int]) -> list[list[str]]:
+    """Each file to check given to one of the ranks that read it: files only one rank
+    reads go to it; then the others, largest first, to the rank with the fewest bytes to
+    check so far.
+
+    >>> assign_checks([["a", "b"], ["b", "c"]], {"a": 5, "b": 9, "c": 1})
+    [['a'], ['b', 'c']]
+    """
+    load = [0] * len(needs)
+    mine: list[list[str]] = [[] for _ in needs]
+    readers: dict[str, list[int]] = {}
+    for rank, files in enumerate(needs):
+        for f in files:
+            readers.setdefault(f, []).append(rank)
+    for f in sorted(readers, key=lambda f: (len(readers[f]) > 1, -sizes.get(f, 0), f)):
+        rank = min(readers[f], key=lambda r: (load[r], r))
+        mine[rank].append(f)
+        load[rank] += sizes.get(f, 0)
+    return [sorted(m) for m in mine]
+
 
 Rename = Callable[[str], "str | None"] | Mapping[str, "str | None"]
 
@@ -101,7 +130,6 @@ class Reader(StorageReader):
         self.manifest = None
         self.chunks: dict[tuple[str, tuple[int, ...]], tuple[TensorEntry, Chunk]] = {}
         self.objects: dict[str, str] = {}
-        self.verified: dict[str, Future] = {}
         self.lock = threading.Lock()
         #: tensor bytes read into destinations; bytes read to check files first
         self.bytes_read = self.bytes_checked = 0
@@ -110,7 +138,7 @@ class Reader(StorageReader):
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         if checkpoint_id is not None:
             self.url = str(checkpoint_id)
-        self.ck, self.chunks, self.objects, self.verified = None, {}, {}, {}
+        self.ck, self.chunks, self.objects = None, {}, {}
         self.bytes_read = self.bytes_checked = 0
 
     @classmethod
@@ -153,7 +181,18 @@ class Reader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Give each file to check to one rank among those that read it (the least loaded
+        so far, largest files first); ranks exchange their verdicts in ``read_data``, so a
+        file is read whole once, not once per rank that reads part of it. The exchange
+        needs the default process group to be DCP's (the same ranks): otherwise each rank
+        checks every file it reads."""
+        if not self.checking():
+            return plans
+        needs = [self.files_of(p) for p in plans]
+        shared = len(plans) > 1 and default_world_size() == len(plans)
+        mine = assign_checks(needs, self.ck.files) if shared else needs
+        return [dataclasses.replace(p, storage_data={"check": mine[i], "shared": shared})
+                for i, p in enumerate(plans)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future:
         """Read every item of this rank's plan into its destination: tensors ``workers`` at
@@ -162,11 +201,8 @@ class Reader(StorageReader):
         for them; DCP's sets them into the state dict)."""
         items = sorted(plan.items, key=lambda r: r.storage_index.fqn)
         with ThreadPoolExecutor(self.workers) as pool:
-            files = sorted({self._file_of(r) for r in items} - {None})
-            if self.verify is not False and self.manifest is not None:
-                list(pool.map(self._check_file, files))  # before anything loads
-            elif self.verify is None and files:
-                self._check_format(files)
+            if self.checking():  # before anything loads
+                self._check_before_loading(plan, pool)
             tensors = [r for r in items if r.type != LoadItemType.BYTE_IO]
             for f in [pool.submit(self._read_tensor, r, planner) for r in tensors]:
                 f.result()
@@ -177,6 +213,88 @@ class Reader(StorageReader):
         done: torch.futures.Future = torch.futures.Future()
         done.set_result(None)
         return done
+
+    # -------------------------------------------------- checking
+    def checking(self) -> bool:
+        """Are files checked before they load (a manifest's hashes, else format CRCs)?"""
+        self._open()
+        return self.verify is not False and (self.manifest is not None or self.verify is None)
+
+    def files_of(self, plan: LoadPlan) -> list[str]:
+        """The files ``plan``'s items read from."""
+        return sorted({self._file_of(r) for r in plan.items} - {None})
+
+    def _check_before_loading(self, plan: LoadPlan, pool: ThreadPoolExecutor) -> None:
+        """Check this rank's share of the files (all it reads, without a shared plan),
+        exchange verdicts with the other ranks when the plan says so, and raise the first
+        failure among the files this rank reads."""
+        sd = plan.storage_data if isinstance(plan.storage_data, dict) else {}
+        needed = self.files_of(plan)
+        verdicts = self._verdicts(sd.get("check", needed), pool)
+        if sd.get("shared"):
+            import torch.distributed as dist
+
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, verdicts)
+            verdicts = {f: v for part in everyone for f, v in part.items()}
+        for f in needed:
+            if verdicts.get(f):
+                code, where, message = verdicts[f]
+                raise Finding(where, message, code=code)
+
+    def _verdicts(self, files: list[str], pool: ThreadPoolExecutor) -> dict:
+        """file -> None (good) or (code, where, message); never raises for a bad file, so
+        every rank reaches the exchange."""
+        out: dict = {}
+        if not files:
+            return out
+        try:
+            if self.manifest is not None:
+                for f, err in zip(files, pool.map(self._check_file, files)):
+                    out[f] = err
+            else:
+                out.update(self._check_format(files))
+        except Exception as e:  # noqa: BLE001 - not one file's verdict (an I/O error...):
+            # every file of the share fails, and every rank still reaches the exchange
+            out.update({f: (getattr(e, "code", None) or "READ_ERROR", getattr(
+                e, "path", None) or self.url, getattr(e, "message", None) or str(e))
+                for f in files})
+        return out
+
+    def _check_format(self, files: list[str]) -> dict:
+        """An unsealed source: ``files`` through the checks its format carries, as ``verify
+        --level full`` runs them: file -> None or (code, where, message)."""
+        from ..integrity.verify import check_and_hash
+
+        r, _ = check_and_hash(self.url, self.opts, algo="xxh3-128", names=files,
+                              workers=self.workers)
+        self.bytes_checked += r.bytes_read
+        shown = {self.ck.store.display(f): f for f in files}
+        out: dict = dict.fromkeys(files)
+        for p in r.problems:
+            if p.severity != "error":
+                continue
+            hit = [shown[p.path]] if p.path in shown else files  # not one file's: all
+            for f in hit:
+                out[f] = out[f] or (p.code, p.path or self.url, f"{p.message}: nothing was "
+                                    "loaded")
+        return out
+
+    def _check_file(self, rel: str) -> tuple | None:
+        """Hash ``rel`` whole against the manifest: None, or (code, where, message)."""
+        ck, man = self.ck, self.manifest
+        rec = man.files.get(rel)
+        where = ck.store.display(rel)
+        if rec is None:
+            return ("EXTRA_FILE", where, "not listed in the manifest: its bytes cannot be "
+                    "checked")
+        digest, n = hash_file(ck.store, rel, man.hash)
+        with self.lock:
+            self.bytes_checked += n
+        if digest != rec.hash:
+            return ("HASH_MISMATCH", where, f"content hash differs from the manifest "
+                    f"({man.hash}): nothing was loaded from it")
+        return None
 
     # -------------------------------------------------- reading
     def _open(self) -> Checkpoint:
@@ -237,47 +355,3 @@ class Reader(StorageReader):
                 dest[r0:r1].copy_(src)
             with self.lock:
                 self.bytes_read += t.dtype.nbytes((r1 - r0) * inner)
-
-    def _check_format(self, files: list[str]) -> None:
-        """An unsealed source: ``files`` through the checks its format carries, as ``verify
-        --level full`` runs them; the first error raises."""
-        from ..integrity.verify import check_and_hash
-
-        r, _ = check_and_hash(self.url, self.opts, algo="xxh3-128", names=files,
-                              workers=self.workers)
-        self.bytes_checked += r.bytes_read
-        errors = [p for p in r.problems if p.severity == "error"]
-        if errors:
-            p = errors[0]
-            raise Finding(p.path or self.url, f"{p.message}: nothing was loaded",
-                          code=p.code)
-
-    def _check_file(self, rel: str) -> None:
-        """Hash ``rel`` whole against the manifest, once per reader (the first item that
-        needs it hashes; the others wait for the same answer)."""
-        with self.lock:
-            fut = self.verified.get(rel)
-            mine = fut is None
-            if mine:
-                fut = self.verified[rel] = Future()
-        if mine:
-            try:
-                fut.set_result(self._hash_matches(rel))
-            except BaseException as e:  # noqa: BLE001 - handed to every waiter
-                fut.set_exception(e)
-        fut.result()
-
-    def _hash_matches(self, rel: str) -> None:
-        ck, man = self.ck, self.manifest
-        rec = man.files.get(rel)
-        where = ck.store.display(rel)
-        if rec is None:
-            raise Finding(where, "not listed in the manifest: its bytes cannot be checked",
-                          code=ProblemCode.EXTRA_FILE)
-        digest, n = hash_file(ck.store, rel, man.hash)
-        with self.lock:
-            self.bytes_checked += n
-        if digest != rec.hash:
-            raise Finding(where, f"content hash differs from the manifest "
-                          f"({man.hash}): nothing was loaded from it",
-                          code=ProblemCode.HASH_MISMATCH)
