@@ -7,10 +7,12 @@ What it measures, for each rank count N of ``--ranks``, on one DCP checkpoint of
 ``ckptctl seal``-ed, so the Reader verifies by default):
 
 * **(a) Reader** -- ``dcp.load(sd, storage_reader=ckptctl.dcp.Reader(SRC))``: resharded
-  at load time, each file a rank reads hashed whole against the manifest first (the
-  default ``verify`` on a sealed source);
+  at load time, each file the load reads hashed whole against the manifest first (the
+  default ``verify`` on a sealed source), once, by one of the ranks that read from it,
+  the verdicts exchanged over the process group before anything loads;
 * **(a) Reader, unsealed source** -- the same on SRC's files hard-linked without the
-  manifest: the default ``verify`` then reads them through the format's checks;
+  manifest: the default ``verify`` then reads them through the format's checks (shared
+  out the same way);
 * **(a) Reader, verify=False** -- no checks;
 * **(b) FileSystemReader, resharded copy** -- ``dcp.load`` with torch's ``FileSystemReader``
   from ``ckptctl reshard SRC DST_N --mesh dp=N`` (DST_N written beforehand, not timed here);
@@ -223,6 +225,11 @@ def prepare_source(base: Path, size_gb: float, src_ranks: int, ck: str) -> tuple
     return src, desc
 
 
+def dcp_files(src: Path) -> list[Path]:
+    """The source's tensor files (``*.distcp``): what the checks read."""
+    return [f for f in files_of(src) if f.suffix == ".distcp"]
+
+
 def unsealed_twin(src: Path, work: Path) -> Path:
     """``src`` without its manifest: hard links to its files (same inodes, same page cache)."""
     twin = work / (src.name + "-unsealed")
@@ -325,11 +332,19 @@ def summarize(route: str, runs: list[dict]) -> dict:
         return [rk[key] for run in runs for rk in run["ranks"]]
     shares = per_rank("share_bytes")
     reads = per_rank("rchar")
+    checked = per_rank("bytes_checked") if route in READERS else None
     return {"load_s": med(max(rk["load_s"] for rk in run["ranks"]) for run in runs),
             "launch_s": med(run["launch_s"] for run in runs),
             "share_max": max(shares),
             "bytes_read_max": max(per_rank("bytes_read")) if route in READERS else None,
-            "checked_max": max(per_rank("bytes_checked")) if route in READERS else None,
+            "checked_max": max(checked) if checked else None,
+            "checked_min": min(checked) if checked else None,
+            # all ranks together, per load (the largest over the reps)
+            "checked_sum": max(sum(rk["bytes_checked"] for rk in run["ranks"])
+                               for run in runs) if checked else None,
+            # rank by rank, per rep: [[rank 0, rank 1, ...], ...]
+            "checked_by_rank": [[rk["bytes_checked"] for rk in sorted(
+                run["ranks"], key=lambda rk: rk["rank"])] for run in runs] if checked else None,
             "rchar_max": max(reads),
             "rchar_x_share": max(r / s for r, s in zip(reads, shares)),
             "rss_max": max(per_rank("maxrss_mib")),
@@ -383,11 +398,12 @@ def rows_for(mesh: dict) -> tuple[list[list], dict]:
     return rows, ratios
 
 
-def reading(ratios: dict, meshes: list[dict]) -> str:
+def reading(ratios: dict, meshes: list[dict], data_files: list | None = None) -> str:
     """The two-line reading: time ratios, then bytes and memory."""
     def span(key, cache):
         xs = [q[key] for k, q in ratios.items() if k.endswith(cache)]
-        return f"{min(xs):.2f}-{max(xs):.2f}x" if len(xs) > 1 else f"{xs[0]:.2f}x"
+        lo, hi = f"{min(xs):.2f}", f"{max(xs):.2f}"
+        return f"{lo}-{hi}x" if lo != hi else f"{lo}x"
 
     caches = [c for c in ("warm", "cold") if any(k.endswith(c) for k in ratios)]
     t = "; ".join(f"{c}: {span('reader_over_b', c)} (b)'s load and {span('reader_over_c', c)} "
@@ -402,14 +418,43 @@ def reading(ratios: dict, meshes: list[dict]) -> str:
         return max(x[key] for x in per[route])
 
     rss_r = max(most(r, "rss_over") for r in READERS)
+
+    def checked_per_mesh(route):
+        """'dp=N: a / b / ... GB' per mesh: bytes_checked rank by rank, each distinct
+        split over the cache states and reps once, and the total per load."""
+        splits: list[tuple[int, list[int]]] = []
+        for m in meshes:
+            for c in m["cache"].values():
+                for r in summarize(route, c["runs"][route])["checked_by_rank"]:
+                    if (m["n"], r) not in splits:
+                        splits.append((m["n"], r))
+        return "; ".join(f"dp={n}: " + " / ".join(f"{b / GB:.3f}" for b in r)
+                         + f" GB, together {sum(r) / GB:.3f} GB" for n, r in splits)
+
+    def x_share(route):
+        return ", ".join(
+            f"dp={m['n']} {max(summarize(route, c['runs'][route])['rchar_x_share'] for c in m['cache'].values()):.2f}x"
+            for m in meshes)
+
+    file_bytes = data_files
     return (f"**Reading.** Time, over the rank counts ((a) over (b) / over (c)): {t}.\n\n"
             f"Bytes and memory: with verify=False each rank reads its share and no more "
-            f"(`rchar / share` up to {most(READER_NV, 'rchar_x_share'):.2f}); by default "
-            f"each rank first reads every source file it touches whole (sealed: hashed "
-            f"against the manifest; unsealed: the format's checks), up to "
-            f"{max(most(READER, 'rchar_x_share'), most(READER_UNSEALED, 'rchar_x_share')):.2f}x"
-            f" its share (a whole file even for a 0-dim `step` tensor in it: DCP's save "
-            f"spreads the replicated entries over the ranks' files); the Reader's RSS grows "
+            f"(`rchar / share` up to {most(READER_NV, 'rchar_x_share'):.2f}). By default "
+            f"each source file the load reads is first read whole once, by one of the ranks "
+            f"that read from it (sealed: hashed against the manifest; unsealed: the "
+            f"format's checks), and the ranks exchange their verdicts before anything "
+            f"loads; a rank that reads from a file may thus check it or not, and a rank may "
+            f"check a whole file of which it loads only a 0-dim `step` tensor (DCP's save "
+            f"spreads the replicated entries over the ranks' files). `bytes_checked` rank "
+            f"by rank"
+            + (f" (the source's {file_bytes[0]} tensor files hold {file_bytes[1] / GB:.3f} "
+               f"GB)" if file_bytes else "")
+            + (f", sealed and unsealed alike: {checked_per_mesh(READER)}"
+               if checked_per_mesh(READER) == checked_per_mesh(READER_UNSEALED) else
+               f", sealed: {checked_per_mesh(READER)}; unsealed: "
+               f"{checked_per_mesh(READER_UNSEALED)}")
+            + f". So the most a rank reads, `rchar / share`: sealed {x_share(READER)}, "
+            f"unsealed {x_share(READER_UNSEALED)}; the Reader's RSS grows "
             f"at most {rss_r:.0f} MiB during the load, FileSystemReader's "
             f"{most(FS_RESHARDED, 'rss_over'):.0f} MiB.")
 
@@ -429,9 +474,10 @@ def report(run: dict) -> str:
     machine = (
         f"Run {facts['date']} on {facts['cpu']}, {facts.get('memory', '?')} RAM, kernel "
         f"{facts['kernel']}, Python {facts['python']}, torch {env['torch']}. Load "
-        f"average {env['load_before']} before, {env['load_after']} after (other jobs shared "
-        f"the two cores; {max(m['n'] for m in meshes)} ranks on 2 cores are CPU-bound: "
-        f"compare ratios within a row group, not absolute seconds).")
+        f"average {env['load_before']} before, {env['load_after']} after (the bench's own "
+        f"ranks included; other jobs may share the cores, and "
+        f"{max(m['n'] for m in meshes)} ranks on 2 cores are CPU-bound: compare ratios "
+        f"within a row group, not absolute seconds).")
     source = (
         f"Source: {run['source_bytes'] / GB:.2f} GB in {run['source_files']} files, "
         f"`bench/make_dcp.py` (FSDP2 `fully_shard` on {a['src_ranks']} gloo ranks, "
@@ -449,7 +495,8 @@ def report(run: dict) -> str:
         "the same cache state, median) + (b)'s `load s` (its `launch s` column: the reshard "
         "+ (b)'s launch). Per rank, the largest over ranks: `share` = its local tensor "
         "bytes; `bytes_read` / `bytes_checked` = the Reader's counters (tensor bytes into "
-        "destinations / bytes read to check files first); `rchar` = `/proc/self/io` `rchar` "
+        "destinations / bytes read to check files first: each file by one rank, so ranks "
+        "differ; all ranks' below the table); `rchar` = `/proc/self/io` `rchar` "
         "over the load (bytes through `read`/`pread`, page-cache hits and checks included); `peak RSS` = `ru_maxrss` after the load, `RSS over dest` = its growth "
         "during the load (the destination is resident before). `checksum = (b)`: each "
         "rank's xxh3-64 of its local tensors equals (b)'s for that rank, and no NaN "
@@ -460,7 +507,7 @@ def report(run: dict) -> str:
         "without ckptctl.\n")
     o = ["## dcp.load through the Reader\n", machine,
          f"\nCommand:\n\n```\n{cmdline}\n```\n", source, legend,
-         table(HEADERS, rows), "", reading(ratios, meshes)]
+         table(HEADERS, rows), "", reading(ratios, meshes, run.get("data_files"))]
     lines = []
     for k, q in ratios.items():
         lines.append(f"- {k}: (a) Reader {q['reader_over_b']:.2f}x (b)'s load "
@@ -526,6 +573,8 @@ def main(argv=None) -> int:
                        "load_before": load_before, "load_after": load_average()},
                "source": str(src), "source_bytes": tree_bytes(src),
                "source_files": len(files_of(src)), "source_desc": desc, "meshes": meshes,
+               "data_files": [len(dcp_files(src)), sum(f.stat().st_size
+                                                       for f in dcp_files(src))],
                "reader_py": code,
                "problems": [p for m in meshes for c in m["cache"].values()
                             for p in c["problems"]]
