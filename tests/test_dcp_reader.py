@@ -139,6 +139,20 @@ def test_rename_maps_and_drops_entries(tmp_path):
         Reader(tmp_path / "ck", rename=lambda n: "same").read_metadata()
 
 
+def test_a_rules_file_renames_and_drops(tmp_path):
+    sd = _state()
+    dcp_save(tmp_path / "ck", sd)
+    rules = tmp_path / "names.toml"
+    rules.write_text("[[rename]]\nmatch = 'model\\.emb\\.(.*)'\nto = 'tok.\\1'\n"
+                     "[[rename]]\nmatch = '(model|optim)\\..*'\ndrop = true\n")
+    out = {"tok": {"weight": torch.zeros(12, 8)}, "step": None}
+    _load(out, Reader(tmp_path / "ck", rename=rules))
+    assert torch.equal(out["tok"]["weight"], sd["model"]["emb.weight"]) and out["step"] == 42
+    rules.write_text("[[rename]]\nmatch = '('\nto = 'x'\n")
+    with pytest.raises(UsageError, match="not a rename rules file"):
+        Reader(tmp_path / "ck", rename=rules).read_metadata()
+
+
 def test_a_delta_pack_with_its_base_on_s3_loads_as_its_source(tmp_path, s3_bucket):
     from ckptctl.packs.pack import pack
 

@@ -8,14 +8,17 @@ ranges (a chunk's rows, through :func:`~ckptctl.convert.copier.fill_rows`: strai
 reads where the rows are contiguous, a pack decoding only the blocks asked for) into the
 destination tensors, on a thread pool.
 
-Names: ``rename`` maps ckptctl's entry names onto the state dict's (a dict, a callable, or
-``prefix=(old, new)``); a name mapped to None is left out of the metadata. Safety: every
+Names: ``rename`` maps ckptctl's entry names onto the state dict's (a dict, a callable, a
+TOML file of regex rules: :func:`rename_rules`), as does ``prefix=(old, new)``; a name
+mapped to None is left out of the metadata. Safety: every
 object entry the load could hand to torch goes through the safe-pickle scan
 (:func:`~ckptctl.convert.copier.check_objects`) in ``read_metadata``, on every rank, before
 any rank loads anything: DCP's planner unpickles bytes entries with ``weights_only=False``.
-Integrity (``verify``, on by default): before a rank loads anything, each file it reads
-from is hashed whole against the manifest (a sealed source), or, unsealed, read through
-the checks its format carries (every zip record's CRC-32, Megatron's ``integrity.json``,
+Integrity (``verify``, on by default): before any rank loads anything, each file the
+ranks read from is checked once, by one of the ranks that read it (verdicts exchanged over
+the default process group when it is DCP's, else each rank checks all it reads): hashed
+whole against the manifest (a sealed source), or, unsealed, read through the checks its
+format carries (every zip record's CRC-32, Megatron's ``integrity.json``,
 zstd chunks decoded: :func:`~ckptctl.integrity.verify.check_and_hash`); a mismatch raises
 :class:`~ckptctl.errors.Finding` (``HASH_MISMATCH``, ``CRC_MISMATCH``...), never loads.
 
@@ -84,16 +87,19 @@ def assign_checks(needs: list[list[str]], sizes: dict[str, int]) -> list[list[st
 Rename = Callable[[str], "str | None"] | Mapping[str, "str | None"]
 
 
-def renamer(rename: Rename | None = None, prefix: tuple[str, str] | None = None
-            ) -> Callable[[str], str | None]:
+def renamer(rename: Rename | str | os.PathLike | None = None,
+            prefix: tuple[str, str] | None = None) -> Callable[[str], str | None]:
     """ckptctl name -> state dict name (None: leave the entry out), from a mapping, a
-    callable and/or ``prefix=(old, new)``: a name starting with ``old`` has it replaced by
-    ``new`` (applied first).
+    callable, a rules file (:func:`rename_rules`) and/or ``prefix=(old, new)``: a name
+    starting with ``old`` has it replaced by ``new`` (applied first).
 
     >>> f = renamer({"model.w": "w"}, prefix=("module.", "model."))
     >>> f("module.w"), f("module.b"), f("rng")
     ('w', 'model.b', 'rng')
     """
+    if isinstance(rename, (str, os.PathLike)):
+        rename = rename_rules(rename)
+
     def mapped(name: str) -> str | None:
         if prefix and name.startswith(prefix[0]):
             name = prefix[1] + name[len(prefix[0]):]
@@ -106,12 +112,47 @@ def renamer(rename: Rename | None = None, prefix: tuple[str, str] | None = None
     return mapped
 
 
+def rename_rules(path: str | os.PathLike) -> Callable[[str], str | None]:
+    """A TOML file of ``[[rename]]`` rules, each ``match`` (a regular expression over the
+    whole name) and ``to`` (its replacement, ``\\1`` for groups) or ``drop = true``; the
+    first rule that matches wins, a name no rule matches is kept. Refuses (exit 2) a file
+    that is not such a list, or a pattern that does not compile.
+
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp(), "names.toml")
+    >>> _ = p.write_text("[[rename]]\\nmatch = 'model\\\\.decoder\\\\.(.*)'\\nto = 'model.\\\\1'\\n"
+    ...                  "[[rename]]\\nmatch = 'rng.*'\\ndrop = true\\n")
+    >>> f = rename_rules(p)
+    >>> f("model.decoder.layers.0.w"), f("rng.cpu"), f("step")
+    ('model.layers.0.w', None, 'step')
+    """
+    import re
+    import tomllib
+
+    try:
+        doc = tomllib.loads(open(path, encoding="utf-8").read())
+        rules = [(re.compile(r["match"]), None if r.get("drop") else r["to"])
+                 for r in doc["rename"]]
+    except (OSError, ValueError, KeyError, TypeError, re.error) as e:
+        raise UsageError(f"{path}: not a rename rules file ([[rename]] with match and to, "
+                         f"or drop = true): {e}") from None
+
+    def mapped(name: str) -> str | None:
+        for pattern, to in rules:
+            if pattern.fullmatch(name):
+                return None if to is None else pattern.sub(to, name)
+        return name
+
+    return mapped
+
+
 class Reader(StorageReader):
     """``dcp.load(state_dict, storage_reader=Reader(url))`` from any checkpoint ckptctl reads.
 
     ``url``: a checkpoint (DCP, HF safetensors folder, torch.save file, DeepSpeed ZeRO or
     universal, Megatron, a ckptctl pack) on any place ckptctl reaches; ``storage_options``
-    as for every verb. ``rename``/``prefix``: see :func:`renamer`. ``verify``: None (the
+    as for every verb. ``rename`` (a dict, a callable or a rules file) and ``prefix``:
+    see :func:`renamer`. ``verify``: None (the
     default) checks each file a rank reads with what the source carries (its manifest's
     hashes, else its format's CRCs); True requires a manifest; False checks nothing.
     ``workers``: reads in flight per rank.
@@ -120,7 +161,7 @@ class Reader(StorageReader):
     """
 
     def __init__(self, url: str | os.PathLike, storage_options: dict | None = None, *,
-                 rename: Rename | None = None, prefix: tuple[str, str] | None = None,
+                 rename: Rename | str | os.PathLike | None = None, prefix: tuple[str, str] | None = None,
                  verify: bool | None = None, workers: int = 8):
         super().__init__()
         self.url, self.opts = str(url), storage_options
