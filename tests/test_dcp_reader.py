@@ -285,3 +285,21 @@ def test_megatron_legacy_rank_folders_load_as_the_full_tensors(megatron_ckpts, l
     _load(out, Reader(src, rename=lambda n: n if n in out else None))
     full = run.load_full()["model"]
     assert out and all(torch.equal(t, full[n[len("model."):]]) for n, t in out.items())
+
+
+@pytest.mark.parametrize("name, world", [("tp2-z2-bf16", 4), ("tp4-z2-fp32", 4)])
+def test_deepspeed_autotp_loads_equal_ds_to_universal(deepspeed_ckpts, name, world):
+    """An AutoTP (tensor-parallel) DeepSpeed checkpoint: weights and Adam state loaded
+    through the Reader equal ds_to_universal's join of the same checkpoint."""
+    from ckptctl.formats.detect import open_checkpoint
+
+    v = deepspeed_ckpts.tp(name, world)
+    out = _empty_like_entries(open_checkpoint(str(v.tag_dir)), ("model.", "optim.state."))
+    _load(out, Reader(v.tag_dir, rename=lambda n: n if n in out else None))
+    for n in v.entry["trainable"]:
+        for key, entry in (("fp32", f"model.{n}"), ("exp_avg", f"optim.state.{n}.exp_avg"),
+                           ("exp_avg_sq", f"optim.state.{n}.exp_avg_sq")):
+            d = torch.load(v.universal_tag / "zero" / n / f"{key}.pt", weights_only=False)
+            want = (d["param"] if isinstance(d, dict) else d).reshape(
+                v.entry["logical_params"][n])
+            assert torch.equal(out[entry], want), (n, key)
