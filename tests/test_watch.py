@@ -530,3 +530,25 @@ def test_status_shows_plan_figures_from_what_watch_measured(tmp_path):
     assert code == 0, err
     assert "plan from what watch measured" in out and "interval tau = 150.0 s" in out
     assert "B >= S/(P tau)" in out and "hot -> warm" in out and "recover from" in out
+
+
+def test_a_gc_retry_falling_due_mid_question_reports_no_empty_failure(tmp_path):
+    """The trim asks once whether its gc is backing off: a clock that passes the retry time
+    between two questions never puts a None among the pass's failures."""
+    from ckptctl.service.results import WatchPass
+    from ckptctl.service.trims import retain_rows
+
+    cfg = _config(tmp_path, hot_keep=1)
+    now = [1000.0]
+
+    def clock():  # each question a second later: the retry below falls due in between
+        now[0] += 1.0
+        return now[0]
+
+    w = Watcher(load_config(str(cfg)), settle=0, backoff=10, clock=clock)
+    w.status.setdefault("failed", {})["gc hot"] = {
+        "what": "gc", "tier": "hot", "name": None, "code": "STORAGE", "message": "m",
+        "attempts": 1, "next_retry": 1001.5, "config": w._config_digest("gc hot")}
+    p = WatchPass(started=now[0])
+    retain_rows(w, p, 0, {"step-1": None}, None)
+    assert None not in p.failed and [f.what for f in p.failed] == ["gc"]

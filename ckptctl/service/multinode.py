@@ -254,8 +254,9 @@ def retain_node(w, p, listings: list) -> None:
                             shared_tier.storage_options):
             protect[name] = f"not yet committed in {shared_tier.name} with this node's part"
     key = f"gc {hot_tier.name}"
-    if w.backing_off(key, w.clock()):
-        p.failed.append(w.backing_off(key, w.clock()))
+    waiting = w.backing_off(key, w.clock())  # asked once: a retry may fall due between two
+    if waiting is not None:
+        p.failed.append(waiting)
         return
     try:
         policy = Policy.from_dict(hot_tier.keep, where=f"tier {hot_tier.name}")

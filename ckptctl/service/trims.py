@@ -48,8 +48,9 @@ def retain_rows(w, p, i: int, rows: dict | None, after: dict | None) -> None:
     if not tier.keep or not rows:
         return  # nothing kept to apply, nothing listed (or not listable) to trim
     key = f"gc {tier.name}"
-    if w.backing_off(key, w.clock()):
-        p.failed.append(w.backing_off(key, w.clock()))
+    waiting = w.backing_off(key, w.clock())  # asked once: a retry may fall due between two
+    if waiting is not None:
+        p.failed.append(waiting)
         return
     protect: dict[str, str] = {}
     if i + 1 < len(w.config.tiers):
