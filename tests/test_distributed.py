@@ -508,3 +508,53 @@ def test_verify_file_rendezvous_needs_a_meeting_place(fsdp):
                        capture_output=True, text=True, timeout=TIMEOUT_S,
                        env=_env(RANK=0, WORLD_SIZE=2))
     assert p.returncode == 2 and "CKPTCTL_DIST_DIR" in p.stderr, p.stderr
+
+
+def test_shared_promote_over_another_sources_leftovers_marks_its_work(one_proc, tmp_path,
+                                                                      monkeypatch):
+    """A promote split over 2 processes, into a place where another source's promote was
+    killed: rank 0 discards those leftovers and writes its own writing marker before any
+    byte is sent (the leftovers' marker went with them), as one process does."""
+    import threading
+
+    import ckptctl.tiering.promote as pm
+    from conftest import write_tiny_dcp
+
+    one, _, _ = one_proc
+    other = tmp_path / "other"
+    write_tiny_dcp(other)
+    dst = tmp_path / "dst"
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed")
+
+    monkeypatch.setattr(pm, "copy_files", killed)
+    with pytest.raises(KeyboardInterrupt):
+        pm.promote(str(other), str(dst))
+    monkeypatch.undo()
+    (work,) = tmp_path.glob(".dst.ckptctl-promote*")
+    assert (work / WRITING_MARKER).exists()
+    begun, real_begin = [], pm._Destination.begin
+
+    def begin(self, *a, **k):
+        begun.append(self)
+        return real_begin(self, *a, **k)
+
+    monkeypatch.setattr(pm._Destination, "begin", begin)
+    errors = []
+
+    def rank(r):
+        try:
+            pm.promote(str(one), str(dst), workers=1,
+                       group=Group(r, 2, "files", timeout=120, run_id="t-leftovers"))
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert not errors, errors
+    assert len(begun) == 1  # rank 0 marked its own work
+    same_bytes(one, dst)

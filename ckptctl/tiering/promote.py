@@ -556,13 +556,8 @@ def _prepare_shared(group, src: str, dst: str, src_options, dst_options,
             raise UsageError(f"destination {d.final.url} overlaps the source {sstore.url}")
         state, present = d.state()
         done = state == "committed" or (state == "resume" and d.local and MANIFEST in present)
-        if not done:
-            journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
-            if state == "resume" and (not d.local or d.ours()):
-                _adopt_published(journal, present, man)
-            elif state == "resume" and not journal.resumed:
-                d.discard_work()  # another source's leftovers
-                journal = Journal(d.journal_path(), {"source": man.id}, durable=not d.local)
+        if not done:  # as one process opens it: another source's leftovers go, marker too
+            journal, present = _open_journal(d, state, present, man, dry_run=False)
             if WRITING_MARKER not in present:
                 d.begin(journal.path)
         go = {"error": None, "done": done, "manifest": raw.decode()}
