@@ -243,6 +243,41 @@ def test_a_checkpoint_ckptctl_refuses_is_refused_by_name(tmp_path):
     assert not issubclass(Finding, UsageError)
 
 
+
+def test_a_runs_root_and_another_frameworks_folder_are_refused_by_name(tmp_path):
+    """Where one checkpoint is meant: a run's root says how many it holds (usage, before
+    anything loads), an Orbax step is named, never half-read."""
+    from test_foreign import orbax_ocdbt
+
+    from ckptctl.errors import UnsupportedFormatError
+
+    for s in (10, 20):
+        dcp_save(tmp_path / "run" / f"step-{s}", _state(s))
+    with pytest.raises(UsageError, match="2 checkpoints"):
+        Reader(tmp_path / "run").read_metadata()
+    with pytest.raises(UnsupportedFormatError, match="Orbax"):
+        Reader(orbax_ocdbt(tmp_path / "orbax" / "10")).read_metadata()
+
+
+def test_a_sealed_dcp_on_s3_loads_and_a_flipped_byte_there_loads_nothing(tmp_path, s3_bucket,
+                                                                         cli):
+    sd = _state()
+    dcp_save(tmp_path / "ck", sd)
+    assert cli("seal", str(tmp_path / "ck"))[0] == 0
+    s3_bucket.upload(tmp_path / "ck", "run/step-42")
+    opts = s3_bucket.storage_options
+    out = _zeros_like(sd)
+    _load(out, Reader(s3_bucket.url("run/step-42"), opts))
+    assert _equal(out, sd)
+    _flip_data_byte(tmp_path / "ck", sd["model"]["emb.weight"])
+    s3_bucket.upload(tmp_path / "ck", "bad/step-42")
+    out = _zeros_like(sd)
+    with pytest.raises(CheckpointException) as e:
+        _load(out, Reader(s3_bucket.url("bad/step-42"), opts))
+    assert _rank_error(e.value).code == "HASH_MISMATCH"
+    assert all(not t.any() for t in out["model"].values())
+
+
 DS_VARIANTS = [("z1-bf16", 2), ("z2-fp16", 2), ("z3-bf16", 2), ("z2-fp32", 3), ("z3-fp32", 3)]
 
 
