@@ -56,6 +56,7 @@ from ..storage import hash_file
 #: Bytes one read of rows may stage before it is copied into its destination.
 BLOCK = 32 << 20
 
+
 def default_world_size() -> int:
     """Ranks in torch's default process group (1 without one)."""
     import torch.distributed as dist
