@@ -162,8 +162,9 @@ class Reader(StorageReader):
     """
 
     def __init__(self, url: str | os.PathLike, storage_options: dict | None = None, *,
-                 rename: Rename | str | os.PathLike | None = None, prefix: tuple[str, str] | None = None,
-                 verify: bool | None = None, workers: int = 8):
+                 rename: Rename | str | os.PathLike | None = None,
+                 prefix: tuple[str, str] | None = None, verify: bool | None = None,
+                 workers: int = 8):
         super().__init__()
         self.url, self.opts = str(url), storage_options
         self.name_of = renamer(rename, prefix)
