@@ -14,6 +14,9 @@ venv: $(STAMP)
 # fixtures use it) runs beside 0.16.1 from its own folder on PYTHONPATH, with triton, which it
 # imports: tests/fixtures_megatron.py writes the common_state / integrity.json layout with it.
 MEGATRON_NEXT := $(VENV)/megatron-core-0.19.2
+# torchtitan 0.3.0's checkpointer (tests/fixtures/load_with_torchtitan.py) with what it imports,
+# in a folder of its own: torchtitan's own requirements pull wandb, tensorboard and datasets
+TORCHTITAN := $(VENV)/torchtitan-0.3.0
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -21,6 +24,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) --no-deps --target $(MEGATRON_NEXT) --upgrade triton==3.6.0
 	$(PIP) --no-deps --target $(MEGATRON_NEXT) --upgrade --only-binary=:all: \
 	    --python-version 3.12 --ignore-requires-python megatron-core==0.19.2
+	$(PIP) --no-deps --target $(TORCHTITAN) --upgrade torchtitan==0.3.0 tyro==1.0.17 \
+	    docstring_parser==0.18.0 typeguard==4.6.1 spmd_types==0.2.3
 	$(BIN)/python -c "import ckptctl, torch, s3fs, safetensors, moto, hypothesis, transformers, accelerate, lightning, peft"
 	touch $(STAMP)
 

@@ -9,7 +9,9 @@ bit for bit against each framework's own loader (issue 37; the one-process cases
    zero_to_fp32's output, and Adam's ``exp_avg`` / ``exp_avg_sq`` / ``step`` equal
    DeepSpeed's own full optimizer state after ``load_checkpoint``
    (``safe_get_full_optimizer_state``, the fixture's ``.full.pt``); the param groups
-   come back with DeepSpeed's settings and params named by fqn.
+   come back with DeepSpeed's settings and params named by fqn. torchtitan's own
+   ``CheckpointManager`` (not slow), its initial load given the Reader through its
+   state-dict adapter, loads the ZeRO-3 weights the same way.
 2. DCP 2-D -> another mesh (slow): torch's dp=2 x tp=2 checkpoint (tests/fixtures_torch.py)
    loaded through the Reader at FSDP2 over 3 ranks and at TP over 2 ranks equals, on every
    rank, what DCP's own ``FileSystemReader`` loads at that same mesh: full tensors and local
@@ -47,15 +49,17 @@ TIMEOUT_S = 900  # a bound on a hang, not a time the test expects: loaded machin
 ADAM = ("exp_avg", "exp_avg_sq", "step")
 
 
-def torchrun_load(tmp_path: Path, nproc: int, *args: str, readers: str = "ckptctl") -> dict:
-    """Run the worker on ``nproc`` gloo CPU ranks; returns ``{reader: [rank 0's report, ...]}``."""
+def _torchrun(tmp_path: Path, worker: Path, nproc: int, *args: str, pythonpath: str = "") -> None:
+    """Run ``worker`` on ``nproc`` gloo CPU ranks (``pythonpath`` first on PYTHONPATH); the
+    whole output goes to ``tmp_path/torchrun.log`` and its tail into a failure."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(WORKER), *map(str, args), "--readers", readers,
-           "--out", str(tmp_path)]
+           f"--nproc_per_node={nproc}", str(worker), *map(str, args)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [pythonpath, env.get("PYTHONPATH")]))
     for attempt in (1, 2):
         t0 = time.monotonic()
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S, env=env)
         # --standalone picks a free port, closes it, then binds it again: a parallel run can
         # take it in between. Retry that once; any other failure is the test's.
         if p.returncode == 0 or "address already in use" not in (p.stdout + p.stderr).lower():
@@ -64,8 +68,13 @@ def torchrun_load(tmp_path: Path, nproc: int, *args: str, readers: str = "ckptct
     log.write_text(f"$ {' '.join(cmd)}\n# rc={p.returncode} {time.monotonic() - t0:.1f}s "
                    f"attempt {attempt}\n{p.stdout}{p.stderr}")
     if p.returncode != 0:
-        pytest.fail(f"load_with_reader.py failed (rc={p.returncode}, full output in {log}):\n"
+        pytest.fail(f"{worker.name} failed (rc={p.returncode}, full output in {log}):\n"
                     f"{_tail(p, 80)}", pytrace=False)
+
+
+def torchrun_load(tmp_path: Path, nproc: int, *args: str, readers: str = "ckptctl") -> dict:
+    """Run the worker on ``nproc`` gloo CPU ranks; returns ``{reader: [rank 0's report, ...]}``."""
+    _torchrun(tmp_path, WORKER, nproc, *args, "--readers", readers, "--out", str(tmp_path))
     out = {}
     for kind in readers.split(","):
         out[kind] = [json.loads((tmp_path / f"{kind}.rank{r}.json").read_text())
@@ -129,6 +138,31 @@ def test_zero3_loads_into_fsdp2_as_deepspeed_sees_it(deepspeed_ckpts, tmp_path, 
         (["norm.weight", "norm.bias", "fc1.bias"], 0.0, (0.9, 0.95))]
     assert oracle["lr_scheduler"]["last_batch_iteration"] == 2
     assert [g["lr"] for g in groups] == [pytest.approx(1e-3 + 9e-3 * 2 / 10)] * 2
+
+
+#: torchtitan 0.3.0 and what its checkpointer imports (tyro, spmd_types), unpacked with no
+#: dependencies into a folder of the venv by the Makefile (its own requirements pull wandb,
+#: tensorboard and datasets, which the checkpointer does not use)
+TORCHTITAN = Path(sys.prefix) / "torchtitan-0.3.0"
+
+
+def test_torchtitans_checkpointer_starts_from_a_zero3_checkpoint(deepspeed_ckpts, tmp_path):
+    """torchtitan's own CheckpointManager, its initial load pointed at a DeepSpeed ZeRO-3 tag
+    written at 3 ranks, loads through the Reader (its state-dict adapter's storage reader) into
+    FSDP2 at 2 ranks the weights zero_to_fp32 gives, every name, NaN-poisoned first."""
+    if not TORCHTITAN.is_dir():
+        pytest.skip(f"no {TORCHTITAN} (make venv unpacks torchtitan there)")
+    v = deepspeed_ckpts.variant("z3-fp32", 3)
+    _torchrun(tmp_path, WORKER.with_name("load_with_torchtitan.py"), 2,
+              "--ckpt", str(Path(v.tag_dir).resolve()), "--out", str(tmp_path),
+              pythonpath=str(TORCHTITAN))
+    ranks = [json.loads((tmp_path / f"torchtitan.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["loaded"] for r in ranks] == [True, True]
+    assert ranks[0]["placements"]["emb.weight"] == ["S(0)"]
+    full = torch.load(tmp_path / "torchtitan.pt", weights_only=True)
+    z = v.load_zero_to_fp32()
+    assert sorted(full) == sorted(z)
+    assert [n for n, want in z.items() if not _same(want, full[n])] == []
 
 
 # ------------------------------------------------------------------ 2. DCP at another mesh
@@ -199,15 +233,8 @@ def _two_file_dcp(path: Path) -> dict:
 
 
 def _checks(tmp_path: Path, ckpt: Path, nproc: int = 2) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc_per_node={nproc}", str(WORKER.with_name("reader_checks.py")),
-           "--ckpt", str(ckpt), "--out", str(tmp_path)]
-    for _ in (1, 2):  # the one retry test_reshard_torchrun makes: a port taken in between
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT_S,
-                           env=dict(os.environ, OMP_NUM_THREADS="1"))
-        if p.returncode == 0 or "address already in use" not in (p.stdout + p.stderr).lower():
-            break
-    assert p.returncode == 0, _tail(p, 60)
+    _torchrun(tmp_path, WORKER.with_name("reader_checks.py"), nproc, "--ckpt", str(ckpt),
+              "--out", str(tmp_path))
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
