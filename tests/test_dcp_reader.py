@@ -80,6 +80,30 @@ def test_a_dcp_checkpoint_loads_as_saved(tmp_path, zstd):
         sd["optim"]["state"]["emb.weight"]["exp_avg"]))  # + the 0-dim scale, read whole
 
 
+def _to(sd, device: str):
+    if isinstance(sd, dict):
+        return {k: _to(v, device) for k, v in sd.items()}
+    if isinstance(sd, (list, tuple)):
+        return type(sd)(_to(v, device) for v in sd)
+    return sd.to(device) if isinstance(sd, torch.Tensor) else sd
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (the device check)")
+@pytest.mark.parametrize("zstd", [False, True])
+def test_a_dcp_checkpoint_loads_into_cuda_tensors_as_saved(tmp_path, zstd):
+    """The loading path a GPU job takes: destinations on the GPU are filled by copies, whole
+    and, for a transposed (non-contiguous) destination, strided."""
+    sd = _state()
+    dcp_save(tmp_path / "ck", sd, zstd=zstd)
+    out = _to(_zeros_like(sd), "cuda")
+    emb_t = torch.zeros(8, 12, device="cuda")
+    out["model"]["emb.weight"] = emb_t.t()
+    _load(out, Reader(tmp_path / "ck"))
+    assert out["model"]["emb.weight"].device.type == "cuda"
+    assert _equal(_to(out, "cpu"), sd)
+    assert torch.equal(emb_t.t().cpu(), sd["model"]["emb.weight"])
+
+
 def test_a_partial_state_dict_reads_only_what_it_names(tmp_path):
     sd = _state()
     dcp_save(tmp_path / "ck", sd)
