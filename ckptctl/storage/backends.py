@@ -1,11 +1,25 @@
 """Which store answers a URL: :func:`open_store`.
 
+=================  ===============================================================
+URL                store
+=================  ===============================================================
+a path, file://    :class:`~ckptctl.storage.local_store.LocalStore` (the OS)
+s3://, s3a://      :class:`~ckptctl.storage.s3_store.S3Store` (s3fs, botocore, obstore)
+az://, abfs://     :class:`~ckptctl.storage.azure.AzureStore` (obstore)
+gs://, gcs://      :class:`~ckptctl.storage.gcs.GcsStore` (gcsfs)
+anything else      :class:`Store` on that protocol's fsspec filesystem
+=================  ===============================================================
+
+``--storage-option fsspec=true`` opens a remote place through its fsspec filesystem
+(s3fs, adlfs, gcsfs) with the generic :class:`Store` instead.
+
 >>> import tempfile
 >>> type(open_store(tempfile.mkdtemp())).__name__, type(open_store("s3://b/run")).__name__
 ('LocalStore', 'S3Store')
 """
 from __future__ import annotations
 
+from ..errors import UsageError
 from .filesystems import make_filesystem
 from .local_store import LocalStore
 from .s3_store import S3Store
@@ -14,20 +28,65 @@ from .urls import split_url
 
 
 def open_store(url: str, storage_options: dict | None = None) -> "Store":
-    """Open the place at ``url`` (a plain path, ``file://``, ``s3://bucket/prefix``, ...):
-    a :class:`~ckptctl.storage.local_store.LocalStore`, an
-    :class:`~ckptctl.storage.s3_store.S3Store`, or a :class:`Store` on the fsspec
-    filesystem of any other protocol.
+    """Open the place at ``url`` (a plain path, ``file://``, ``s3://bucket/prefix``,
+    ``az://container/prefix``, ``gs://bucket/prefix``, any fsspec URL): see the module
+    docstring for which store answers.
 
     >>> type(open_store("s3://bucket/run")).__name__, type(open_store("memory://x")).__name__
     ('S3Store', 'Store')
     """
     protocol, path = split_url(url)
+    options = dict(storage_options or {})
+    generic = options.pop("fsspec", False)
+    if generic not in (True, False):
+        raise UsageError(f"storage option fsspec takes true or false, got {generic!r}")
+    url = url.rstrip("/")
     if protocol == "file":
         # no fsspec import unless storage options ask for it (or a call needs it)
-        fs = make_filesystem(protocol, storage_options) if storage_options else None
+        fs = make_filesystem(protocol, options) if options else None
         return LocalStore(path, fs, protocol, path)
-    fs = make_filesystem(protocol, storage_options)
+    if protocol in ("az", "abfs") and not generic:
+        from .azure import AzureStore, client_factory
+
+        path, options = _azure_account(path, options)
+        return AzureStore(url, None, protocol, path, client_factory=client_factory(options))
+    if protocol in ("az", "abfs"):
+        path, options = _azure_account(path, options)
+        options = _adlfs_options(options)
+    fs = make_filesystem(protocol, options)
     if protocol in ("s3", "s3a"):
-        return S3Store(url.rstrip("/"), fs, protocol, path)
-    return Store(url.rstrip("/"), fs, protocol, path)
+        return S3Store(url, fs, protocol, path)
+    if protocol in ("gs", "gcs") and not generic:
+        from .gcs import GcsStore
+
+        return GcsStore(url, fs, protocol, path)
+    return Store(url, fs, protocol, path)
+
+
+def _azure_account(path: str, options: dict) -> tuple[str, dict]:
+    """``container@account.blob.core.windows.net/prefix`` (adlfs's spelling) ->
+    ``container/prefix`` and the account as a storage option."""
+    head, sep, rest = path.partition("/")
+    if "@" in head:
+        container, _, host = head.partition("@")
+        options = {"account_name": host.split(".")[0], **options}
+        path = f"{container}{sep}{rest}"
+    return path, options
+
+
+def _adlfs_options(options: dict) -> dict:
+    """adlfs takes the connection string and account from the same variables."""
+    from .azure import azure_config
+
+    cfg = azure_config(options)
+    out = {"account_name": cfg.get("account_name")}
+    if cfg.get("account_key"):
+        out["account_key"] = cfg["account_key"]
+    if cfg.get("sas_token"):
+        out["sas_token"] = cfg["sas_token"]
+    import os
+
+    conn = options.get("connection_string") or os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
+    if conn:
+        out = {"connection_string": conn}
+    return out

@@ -17,6 +17,13 @@ from ..errors import CkptError, NotFoundError, StorageError, UsageError, shorten
 #: Error codes after which talking to the server again (to abort an upload) is pointless.
 NO_SERVER = ("REMOTE_TIMEOUT", "REMOTE_UNREACHABLE")
 CUT = "connection closed by the server"
+#: what a refused or missing credential asks the user to set, per cloud
+S3_CREDENTIALS = "check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --storage-option key=/secret="
+AZURE_CREDENTIALS = ("set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
+                     "AZURE_STORAGE_ACCOUNT_KEY (or -o account_name=... -o account_key=...)")
+GCS_CREDENTIALS = ("set GOOGLE_APPLICATION_CREDENTIALS to a service-account JSON file "
+                   "(or STORAGE_EMULATOR_HOST for an emulator, -o token=anon for a public "
+                   "bucket)")
 _dead: dict[str, tuple[float, str, str]] = {}  # server -> (monotonic deadline, message, code)
 _dead_lock = threading.Lock()
 
@@ -119,6 +126,12 @@ def storage_error(shown: str, e: BaseException, *, remote: bool = False,
         err.transient = transient  # retry.is_transient: worth trying again later?
         return err
 
+    native = _native_failure(e, shown)
+    if native is not None:
+        message, code_, cls, transient = native
+        if code_ == "REMOTE_TIMEOUT":
+            message = f"timed out{after} (server not answering; see --timeout)"
+        return bad(message, code_, cls, transient=transient)
     if code == "NoSuchBucket":
         return bad("no such bucket", "MISSING_FILE", NotFoundError)
     if code in ("NoSuchKey", "NoSuchUpload", "HTTP 404") or isinstance(e, FileNotFoundError):
@@ -132,8 +145,8 @@ def storage_error(shown: str, e: BaseException, *, remote: bool = False,
                 "ExpiredToken": "expired session token"}.get(code or "")
         if names & {"NoCredentialsError", "PartialCredentialsError"}:
             what = "no credentials"
-        return bad(f"access denied ({what or code or 'check credentials'}; check "
-                   "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or --storage-option key=/secret=)")
+        return bad(f"access denied ({what or code or 'check credentials'}; "
+                   f"{credential_hint(shown)})")
     if code in ("SlowDown", "Throttling", "ThrottlingException", "RequestLimitExceeded",
                 "TooManyRequests", "HTTP 429"):
         return bad(f"server is throttling requests ({code}); still refused{after}, "
@@ -193,6 +206,48 @@ def storage_error(shown: str, e: BaseException, *, remote: bool = False,
                               "key, secret, token, profile, client_kwargs...)", shown)
     detail = shorten(scrub(str(e), secrets), 160)  # scrubbed first: no half a secret
     return bad(f"storage error ({type(e).__name__}{': ' + detail if detail else ''})")
+
+
+def credential_hint(shown: str) -> str:
+    """What to set when a server refuses the credentials, by the place's scheme.
+
+    >>> credential_hint("az://c/run")[:36]
+    'set AZURE_STORAGE_CONNECTION_STRING,'
+    """
+    if shown.startswith(("az://", "abfs://")):
+        return AZURE_CREDENTIALS
+    if shown.startswith(("gs://", "gcs://")):
+        return GCS_CREDENTIALS
+    return S3_CREDENTIALS
+
+
+def _native_failure(e: BaseException, shown: str):
+    """``(message, code, class, transient)`` for an obstore (Rust ``object_store``)
+    error, told by its class and the kind its message reports; None for any other."""
+    if not type(e).__module__.startswith("obstore"):
+        return None
+    name, text = type(e).__name__, str(e)
+    if name == "NotFoundError":
+        return "not found", "MISSING_FILE", NotFoundError, False
+    if name in ("AlreadyExistsError", "PreconditionError"):
+        return "already exists", "ALREADY_EXISTS", StorageError, False
+    if name in ("PermissionDeniedError", "UnauthenticatedError") or re.search(
+            r"status: 40[13]|AuthenticationFailed|AuthorizationFailure", text):
+        return (f"access denied ({credential_hint(shown)})", "IO_ERROR", StorageError, False)
+    if "kind: Connect" in text or "Connection refused" in text:
+        return ("remote unreachable (could not connect)", "REMOTE_UNREACHABLE", StorageError,
+                True)
+    if "kind: Timeout" in text or "timed out" in text:
+        return "timed out", "REMOTE_TIMEOUT", StorageError, True
+    status = re.search(r"status: (\d{3})", text)
+    if status and status.group(1).startswith("5") or "status: 429" in text:
+        return (f"server error (HTTP {status.group(1)})", "IO_ERROR", StorageError, True)
+    if status:
+        return (f"refused by the server (HTTP {status.group(1)})", "IO_ERROR", StorageError,
+                False)
+    if "kind: Body" in text or "kind: Decode" in text or "connection closed" in text.lower():
+        return f"remote unreachable ({CUT})", "REMOTE_UNREACHABLE", StorageError, True
+    return None
 
 
 #: Secrets shorter than this are masked only where they stand alone as a token: a key

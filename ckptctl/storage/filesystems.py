@@ -99,6 +99,24 @@ def _s3_options(options: dict, timeout: float | None = None) -> dict:
     return opts
 
 
+def gcs_options(options: dict, env=None) -> dict:
+    """gcsfs's options: the emulator from ``STORAGE_EMULATOR_HOST`` (anonymous, no
+    project lookup), ckptctl's request budget, the user's options over both.
+
+    >>> gcs_options({}, env={"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"})["token"]
+    'anon'
+    """
+    env = os.environ if env is None else env
+    opts: dict = {"requests_timeout": request_timeout(), "skip_instance_cache": True,
+                  "use_listings_cache": False}
+    emulator = env.get("STORAGE_EMULATOR_HOST", "")
+    if emulator and emulator != "default":
+        opts.update(endpoint_url=emulator if "://" in emulator else f"http://{emulator}",
+                    token="anon", project="ckptctl")
+    opts.update(options)
+    return opts
+
+
 def s3_budget(fs) -> float | None:
     """About how long one request to ``fs`` may take at most, from its actual settings."""
     cfg = getattr(fs, "config_kwargs", None)
@@ -149,6 +167,8 @@ def make_filesystem(protocol: str, options: dict | None = None):
             if fs is None:
                 fs = _filesystems[key] = _make_filesystem("s3", options)
         return fs
+    if protocol in ("gs", "gcs"):
+        options = gcs_options(options)
     return _make_filesystem(protocol, options)
 
 

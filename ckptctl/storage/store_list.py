@@ -33,8 +33,7 @@ class StoreListing(StoreCore):
             if recursive:
                 found = self._find(base)
             else:
-                found = {e["name"]: e for e in self.fs.ls(base, detail=True)
-                         if e.get("type") == "file"}
+                found = self._ls_files(base)
         out = {}
         prefix = self._listed_prefix()
         for name, info in found.items():
@@ -74,6 +73,10 @@ class StoreListing(StoreCore):
     def _find(self, base: str) -> dict[str, dict]:
         """Every file under the path ``base``: full name -> ``{"size", "LastModified"?}``."""
         return self.fs.find(base, detail=True, withdirs=False)
+
+    def _ls_files(self, base: str) -> dict[str, dict]:
+        """The files directly in the folder ``base``: full name -> ``{"size", ...}``."""
+        return {e["name"]: e for e in self.fs.ls(base, detail=True) if e.get("type") == "file"}
 
     def list_dirs(self, rel: str = "") -> list[str]:
         """Immediate sub-folders of ``rel``, relative to the store root."""
