@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml Makefile
 	    --python-version 3.12 --ignore-requires-python megatron-core==0.19.2
 	$(PIP) --no-deps --target $(TORCHTITAN) --upgrade torchtitan==0.3.0 tyro==1.0.17 \
 	    docstring_parser==0.18.0 typeguard==4.6.1 spmd_types==0.2.3
+	# Azurite (npm), the Azure Blob tests' loopback server (tests/cloudservers.py), in its own folder
+	npm install --prefix $(VENV)/azurite --no-audit --no-fund --loglevel=error azurite@3.37.0
 	$(BIN)/python -c "import ckptctl, torch, s3fs, safetensors, moto, hypothesis, transformers, accelerate, lightning, peft"
 	touch $(STAMP)
 

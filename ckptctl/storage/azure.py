@@ -31,6 +31,8 @@ from .native_store import NativeStore
 OPTIONS = ("account_name", "account_key", "sas_token", "endpoint", "connection_string",
            "use_emulator", "anon", "timeout")
 SET_THIS = AZURE_CREDENTIALS  # what a missing or refused credential names
+#: Azurite's documented development account (its key is public, in Azure's docs)
+EMULATOR_ACCOUNT = "devstoreaccount1"
 _CONN_KEYS = {"accountname": "account_name", "accountkey": "account_key",
               "sharedaccesssignature": "sas_token", "blobendpoint": "endpoint"}
 
@@ -74,8 +76,9 @@ def azure_config(options: dict | None, env=None) -> dict:
     for key in ("account_name", "account_key", "sas_token", "endpoint"):
         if options.get(key):
             cfg[key] = str(options[key])
-    if options.get("use_emulator"):
-        cfg["use_emulator"] = True
+    if options.get("use_emulator") and not cfg.get("endpoint"):
+        # obstore's emulator mode goes to 127.0.0.1:10000 whatever the endpoint says
+        cfg.update(use_emulator=True, account_name=cfg.get("account_name") or EMULATOR_ACCOUNT)
     if options.get("anon"):
         cfg["skip_signature"] = True
     return cfg

@@ -227,6 +227,9 @@ def _native_failure(e: BaseException, shown: str):
     if not type(e).__module__.startswith("obstore"):
         return None
     name, text = type(e).__name__, str(e)
+    if "ContainerNotFound" in text or "NoSuchBucket" in text:
+        return "no such container" if "Container" in text else "no such bucket", \
+            "MISSING_FILE", NotFoundError, False
     if name == "NotFoundError":
         return "not found", "MISSING_FILE", NotFoundError, False
     if name in ("AlreadyExistsError", "PreconditionError"):

@@ -181,8 +181,17 @@ def _make_filesystem(protocol: str, options: dict):
         # reaches aiobotocore's session, which refuses it (TypeError at the first request)
         retries = options.pop("retries")
     try:
-        fs = fsspec.filesystem(protocol, **options)
+        if protocol in ("gs", "gcs"):
+            fs = _gcs_filesystem(options)
+        else:
+            fs = fsspec.filesystem(protocol, **options)
     except ImportError as e:
+        extra = {"gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure"}.get(protocol)
+        if extra:
+            from .._deps import MissingDependencyError
+
+            raise MissingDependencyError(f"{protocol}://", f"needs {e.name or 'its client'}: "
+                                         f"pip install 'ckptctl[{extra}]'") from None
         raise StorageError(None, f"no filesystem for {protocol}://: {e}") from None
     except (TypeError, ValueError) as e:
         raise UsageError(f"bad storage options for {protocol}://: {type(e).__name__}") from None
@@ -193,3 +202,13 @@ def _make_filesystem(protocol: str, options: dict):
             raise UsageError(f"storage option retries must be an integer, got {retries!r}") \
                 from None
     return fs
+
+
+def _gcs_filesystem(options: dict):
+    """gcsfs's plain ``GCSFileSystem``. ``fsspec.filesystem("gs")`` gives its
+    ``ExtendedGcsFileSystem`` (zonal and hierarchical buckets), which asks every call's
+    bucket for its type over gRPC and does not keep an unknown answer: 30-60 s per call
+    against an emulator (fake-gcs-server speaks no gRPC)."""
+    from gcsfs.core import GCSFileSystem
+
+    return GCSFileSystem(**options)

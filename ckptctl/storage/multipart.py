@@ -423,8 +423,11 @@ def list_uploads(store: Store, rel_prefix: str = "", *, page: int = 1000) -> lis
     >>> s = open_store(tempfile.mkdtemp()); uid = create_upload(s, "a/x")
     >>> [(u.rel, u.upload_id == uid) for u in list_uploads(s, "a/")], list_uploads(s, "b")
     ([('a/x', True)], [])
+
+    A store with no multipart uploads (``caps.multipart`` false) has none unfinished.
     """
-    _need_multipart(store)
+    if not store.caps.multipart:
+        return []
     if store.is_local:
         return _local_uploads(store, rel_prefix)
     bucket, _, root_key = store.root.partition("/")

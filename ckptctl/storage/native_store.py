@@ -166,17 +166,25 @@ class NativeStore(Store):
             return bytes(obstore.get_range(self.client(), self.key(rel), start=start, end=size))
 
     def _stream(self, rel: str, block: int) -> Iterator[memoryview]:
+        """The object's body as it arrives, cut into ``block``-byte pieces (the last one
+        shorter), as every store's ``iter_blocks`` gives them."""
         import obstore
 
         with self._errors(rel):
-            result = obstore.get(self.client(), self.key(rel))
-            chunks = iter(result.stream(min_chunk_size=block))
+            chunks = iter(obstore.get(self.client(), self.key(rel)).stream(min_chunk_size=block))
+        pending = bytearray()
         while True:
             with self._errors(rel):
                 chunk = next(chunks, None)
             if chunk is None:
-                return
-            yield memoryview(chunk)
+                break
+            pending += memoryview(chunk)
+            while len(pending) >= block:
+                piece = bytes(pending[:block])
+                del pending[:block]
+                yield memoryview(piece)
+        if pending:
+            yield memoryview(bytes(pending))
 
     def _cat(self, rel: str) -> bytes:
         import obstore
