@@ -103,11 +103,17 @@ def gcs_options(options: dict, env=None) -> dict:
     """gcsfs's options: the emulator from ``STORAGE_EMULATOR_HOST`` (anonymous, no
     project lookup), ckptctl's request budget, the user's options over both.
 
+    A request is tried up to :data:`GCSFS_ATTEMPTS` times (:func:`_gcs_class`), each try
+    waiting ``budget / 3`` at most for the connection (10 s at most) and between two
+    reads of the answer: a server that accepts and never answers fails a request after
+    about the budget.
+
     >>> gcs_options({}, env={"STORAGE_EMULATOR_HOST": "http://127.0.0.1:9"})["token"]
     'anon'
     """
     env = os.environ if env is None else env
-    opts: dict = {"requests_timeout": request_timeout(), "skip_instance_cache": True,
+    per_try = request_timeout() / GCSFS_ATTEMPTS
+    opts: dict = {"requests_timeout": _aiohttp_timeout(per_try), "skip_instance_cache": True,
                   "use_listings_cache": False}
     emulator = env.get("STORAGE_EMULATOR_HOST", "")
     if emulator and emulator != "default":
@@ -115,6 +121,21 @@ def gcs_options(options: dict, env=None) -> dict:
                     token="anon", project="ckptctl")
     opts.update(options)
     return opts
+
+
+#: tries per GCS request (gcsfs's own loop, 6 tries with up to 31 s of backoff, is
+#: replaced: :func:`_gcs_class`)
+GCSFS_ATTEMPTS = 3
+
+
+def _aiohttp_timeout(per_try: float):
+    """aiohttp's timeouts for one try: the connection and each read, not the whole body
+    (a large ranged GET may take longer than one try's share of the budget)."""
+    try:
+        from aiohttp import ClientTimeout
+    except ImportError:  # gcsfs is not installed: opening the filesystem says so
+        return per_try
+    return ClientTimeout(total=None, sock_connect=min(per_try, 10.0), sock_read=per_try)
 
 
 def s3_budget(fs) -> float | None:
@@ -205,10 +226,45 @@ def _make_filesystem(protocol: str, options: dict):
 
 
 def _gcs_filesystem(options: dict):
-    """gcsfs's plain ``GCSFileSystem``. ``fsspec.filesystem("gs")`` gives its
-    ``ExtendedGcsFileSystem`` (zonal and hierarchical buckets), which asks every call's
-    bucket for its type over gRPC and does not keep an unknown answer: 30-60 s per call
-    against an emulator (fake-gcs-server speaks no gRPC)."""
-    from gcsfs.core import GCSFileSystem
+    """gcsfs's plain ``GCSFileSystem`` (:func:`_gcs_class`). ``fsspec.filesystem("gs")``
+    gives its ``ExtendedGcsFileSystem`` (zonal and hierarchical buckets), which asks every
+    call's bucket for its type over gRPC and does not keep an unknown answer: 30-60 s per
+    call against an emulator (fake-gcs-server speaks no gRPC)."""
+    return _gcs_class()(**options)
 
-    return GCSFileSystem(**options)
+
+_gcs_made: list = []
+
+
+def _gcs_class():
+    """``GCSFileSystem`` whose requests spend ckptctl's budget: :data:`GCSFS_ATTEMPTS`
+    tries, only for what gcsfs itself counts as transient, never past the budget, and
+    a refused connection at once (gcsfs alone tries 6 times with 1-16 s between: ~31 s
+    of waiting for a server that is not there, whatever ``--timeout`` says)."""
+    if _gcs_made:
+        return _gcs_made[0]
+    import asyncio
+    import time
+
+    from gcsfs.core import GCSFileSystem
+    from gcsfs.retry import is_retriable
+
+    once = GCSFileSystem._request.__wrapped__  # gcsfs's request without its retry loop
+
+    class BudgetedGCSFileSystem(GCSFileSystem):
+        async def _request(self, *args, **kwargs):
+            deadline = time.monotonic() + request_timeout()
+            for attempt in range(GCSFS_ATTEMPTS):
+                try:
+                    return await once(self, *args, **kwargs)
+                except Exception as e:  # noqa: BLE001 - gcsfs's own judgement decides
+                    pause = 0.25 * 4 ** attempt
+                    refused = isinstance(e, ConnectionRefusedError) or isinstance(
+                        getattr(e, "os_error", None), ConnectionRefusedError)
+                    if (attempt == GCSFS_ATTEMPTS - 1 or refused or not is_retriable(e)
+                            or time.monotonic() + pause > deadline):
+                        raise
+                    await asyncio.sleep(pause)
+
+    _gcs_made.append(BudgetedGCSFileSystem)
+    return BudgetedGCSFileSystem
