@@ -301,14 +301,18 @@ def say(text: str = "", *, quiet: bool = False) -> None:
 
 #: Which storage options win, key by key (DESIGN.md, "Storage and tiers", says the same).
 PRECEDENCE = ("Key by key: --src-option/--dst-option > -o > the tier's storage_options "
-              "(ckptctl.toml) > AWS_* variables.")
+              "(ckptctl.toml) > the environment (AWS_*, AZURE_STORAGE_*, GOOGLE_*).")
 
 StorageOpt = typer.Option(
     None, "--storage-option", "-o", metavar="KEY=VALUE",
-    help="fsspec storage option for every place the command touches, repeatable "
-         "(endpoint_url=..., key=..., secret=...; dotted keys nest: "
-         "config_kwargs.read_timeout=300). S3 also reads AWS_ENDPOINT_URL, "
-         "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY. " + PRECEDENCE)
+    help="Storage option for every place the command touches, repeatable. S3: "
+         "endpoint_url=, key=, secret=, profile=; dotted keys nest: "
+         "config_kwargs.read_timeout=300 (also AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, "
+         "AWS_SECRET_ACCESS_KEY). GCS: token=PATH|anon, project=, endpoint_url= (also "
+         "GOOGLE_APPLICATION_CREDENTIALS, STORAGE_EMULATOR_HOST). Azure: account_name=, "
+         "account_key=, sas_token=, endpoint=, connection_string= (also "
+         "AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_ACCOUNT_NAME/_KEY). fsspec=true: "
+         "through the fsspec filesystem (s3fs, gcsfs, adlfs). " + PRECEDENCE)
 SrcOpt = typer.Option(
     None, "--src-option", metavar="KEY=VALUE",
     help="Storage option for SRC only, repeatable; wins over -o, key by key (e.g. a copy "
