@@ -26,6 +26,8 @@ from datetime import timedelta
 from ..errors import StorageError, UsageError
 from .failures import AZURE_CREDENTIALS
 from .native_store import NativeStore
+from .store import Store
+from .store_core import Capabilities
 
 #: ``--storage-option`` keys this backend takes (anything else: a usage error)
 OPTIONS = ("account_name", "account_key", "sas_token", "endpoint", "connection_string",
@@ -129,6 +131,29 @@ class AzureStore(NativeStore):
     >>> s.key("a.bin"), s.parent().url
     ('run/a.bin', 'az://c')
     """
+
+    @property
+    def caps(self) -> Capabilities:
+        # Copy Blob within the container: the bytes never pass through this process
+        return Capabilities(False, True, True, False)
+
+    def same_server(self, other: Store) -> bool:
+        """Same account, endpoint, credentials and container (one obstore client copies
+        within its container only)."""
+        return (isinstance(other, AzureStore) and self._server() == other._server()
+                and self._secrets() == other._secrets()
+                and self.root.partition("/")[0] == other.root.partition("/")[0])
+
+    def copy_in(self, src: "AzureStore", src_rel: str, rel: str) -> None:
+        """Copy ``src_rel`` of ``src`` (:meth:`same_server`) to ``rel`` on the server."""
+        import obstore
+
+        self._uncache(rel)
+        with src._errors(src_rel):
+            obstore.head(src.client(), src.key(src_rel))  # a missing source names itself
+        with self._errors(rel):
+            obstore.copy(self.client(), src.key(src_rel), self.key(rel))
+        self._count(requests=1)
 
     def _server(self) -> str | None:
         return getattr(self._client_factory, "server", None) or "az:"

@@ -506,6 +506,9 @@ def copy_object(src: Store, src_rel: str, dst: Store, dst_rel: str, *,
     if src.is_local:
         _local_copy(src, src_rel, dst, dst_rel)
         return
+    if hasattr(dst, "copy_in"):  # a native object store's own copy (Azure: Copy Blob)
+        dst.copy_in(src, src_rel, dst_rel)
+        return
     sb, sk = _bucket_key(src, src_rel)
     db, dk = _bucket_key(dst, dst_rel)
     head = _call(src, src_rel, "head_object", Bucket=sb, Key=sk)
