@@ -20,10 +20,16 @@ from ckptctl.storage.transfer import Transfer
 MIB = 1 << 20
 
 
+def s3fs_store(url: str, options: dict):
+    """The S3 place on its s3fs route (``-o fsspec=true``), whose reads take the bulk path
+    under test here; the default route reads through obstore (tests/test_s3_native.py)."""
+    return open_store(url, {**options, "fsspec": True})
+
+
 def test_parts_and_puts_go_unsigned_and_reads_ranged(s3_bucket):
     from ckptctl.storage import multipart
 
-    st = open_store(s3_bucket.url("d"), s3_bucket.storage_options)
+    st = s3fs_store(s3_bucket.url("d"), s3_bucket.storage_options)
     data = os.urandom(11 * MIB)
     uid = multipart.create_upload(st, "big.bin")
     view = memoryview(data)
@@ -46,10 +52,10 @@ def test_parts_and_puts_go_unsigned_and_reads_ranged(s3_bucket):
 
 
 def test_iter_blocks_reads_ahead_in_order(s3_bucket):
-    st = open_store(s3_bucket.url("d"), s3_bucket.storage_options)
+    st = s3fs_store(s3_bucket.url("d"), s3_bucket.storage_options)
     data = os.urandom(5 * MIB + 3)
     st.write_atomic("f.bin", data)
-    fresh = open_store(s3_bucket.url("d"), s3_bucket.storage_options)
+    fresh = s3fs_store(s3_bucket.url("d"), s3_bucket.storage_options)
     got = b"".join(bytes(b) for b in fresh.iter_blocks("f.bin", block=MIB))
     assert got == data
     assert (fresh.stats.reads, fresh.stats.bytes_read) == (1, len(data))
@@ -59,7 +65,7 @@ def test_iter_blocks_reads_ahead_in_order(s3_bucket):
 
 
 def test_an_object_shorter_than_listed_is_refused_not_hashed_short(s3_bucket):
-    st = open_store(s3_bucket.url("d"), s3_bucket.storage_options)
+    st = s3fs_store(s3_bucket.url("d"), s3_bucket.storage_options)
     st.write_atomic("f.bin", b"x" * 1000)
     with pytest.raises(CkptError) as e:
         list(s3data.iter_blocks(st, "f.bin", 3000, block=512))
@@ -116,7 +122,7 @@ def test_many_parts_through_one_slot_pair(s3_bucket, tmp_path, way):
     local = tmp_path / "local"
     local.mkdir()
     files = {f"f{i}.bin": os.urandom(4 * 5 * MIB - i) for i in range(3)}
-    remote = open_store(s3_bucket.url("t"), s3_bucket.storage_options)
+    remote = s3fs_store(s3_bucket.url("t"), s3_bucket.storage_options)
     if way == "upload":
         for rel, data in files.items():
             (local / rel).write_bytes(data)
@@ -175,7 +181,7 @@ def test_small_whole_objects_go_native_and_come_back_equal(s3_bucket, tmp_path, 
     files = {f"f{i}.bin": os.urandom(1000 + i) for i in range(5)}
     for rel, data in files.items():
         (src / rel).write_bytes(data)
-    remote = open_store(s3_bucket.url("nat"), s3_bucket.storage_options)
+    remote = s3fs_store(s3_bucket.url("nat"), s3_bucket.storage_options)
     counting = _native_counted(remote, monkeypatch)
     t = Transfer(open_store(str(src)), remote, journal=Journal(None, {}), workers=2)
     try:
@@ -205,7 +211,7 @@ def test_small_whole_objects_go_native_and_come_back_equal(s3_bucket, tmp_path, 
 def test_a_native_failure_is_answered_by_botocore(s3_bucket, monkeypatch):
     """The native client never decides an outcome: when it fails, botocore asks again,
     and its answer (success here; its error codes otherwise) is the one returned."""
-    st = open_store(s3_bucket.url("nat"), s3_bucket.storage_options)
+    st = s3fs_store(s3_bucket.url("nat"), s3_bucket.storage_options)
 
     def boom():
         raise OSError("native client failed")
@@ -224,7 +230,7 @@ def test_a_native_failure_is_answered_by_botocore(s3_bucket, monkeypatch):
 def test_native_failures_in_a_row_leave_botocore_alone(s3_bucket, monkeypatch):
     """A failed native request makes the next one with a fresh client (credentials may
     have expired); after NATIVE_TRIES failures in a row the filesystem stops trying."""
-    st = open_store(s3_bucket.url("nat"), s3_bucket.storage_options)
+    st = s3fs_store(s3_bucket.url("nat"), s3_bucket.storage_options)
     fresh = []
     real = s3data._make_native
 
@@ -246,11 +252,11 @@ def test_native_failures_in_a_row_leave_botocore_alone(s3_bucket, monkeypatch):
 def test_a_whole_object_longer_than_expected_is_seen(s3_bucket):
     """An object that grew since its manifest was written: the size returned is the
     object's, so the transfer refuses it instead of publishing a prefix."""
-    st = open_store(s3_bucket.url("nat"), s3_bucket.storage_options)
+    st = s3fs_store(s3_bucket.url("nat"), s3_bucket.storage_options)
     st.write_atomic("grown.bin", b"0123456789")
     buf = bytearray(4)
     assert st.read_whole_into("grown.bin", memoryview(buf)) == 10 and bytes(buf) == b"0123"
-    dst = open_store(s3_bucket.url("nat-out"), s3_bucket.storage_options)
+    dst = s3fs_store(s3_bucket.url("nat-out"), s3_bucket.storage_options)
     t = Transfer(st, dst, journal=Journal(None, {}), workers=1)
     try:
         with pytest.raises(CkptError, match="differs from the manifest"):
@@ -263,7 +269,7 @@ def test_a_whole_object_longer_than_expected_is_seen(s3_bucket):
 def test_a_native_request_that_spends_the_budget_is_a_timeout(s3_bucket, monkeypatch):
     """A native request that ran out the whole budget is not asked again of botocore
     (that would double the wait): it is the same one-line timeout."""
-    st = open_store(s3_bucket.url("nat"), s3_bucket.storage_options)
+    st = s3fs_store(s3_bucket.url("nat"), s3_bucket.storage_options)
     obs, for_bucket, budget = s3data.native(st)
     clock = [1000.0]
     monkeypatch.setattr(s3data, "_clock", lambda: clock[0])
@@ -290,7 +296,7 @@ def test_additional_kwargs_reach_the_bulk_path(moto_bucket, tmp_path):
     files = {"small.bin": os.urandom(1000), "large.bin": os.urandom(11 * MIB)}
     for rel, data in files.items():
         (src / rel).write_bytes(data)
-    remote = open_store(moto_bucket.url("sse"), opts)
+    remote = s3fs_store(moto_bucket.url("sse"), opts)
     assert s3data.native(remote) is None  # botocore sends the arguments
     t = Transfer(open_store(str(src)), remote, journal=Journal(None, {}), part_size=5 * MIB,
                  workers=2)
@@ -299,7 +305,7 @@ def test_additional_kwargs_reach_the_bulk_path(moto_bucket, tmp_path):
     finally:
         t.close()
     assert how == {"small.bin": "put", "large.bin": "multipart"}
-    s3 = s3data.client(open_store(moto_bucket.url(), moto_bucket.storage_options))
+    s3 = s3data.client(s3fs_store(moto_bucket.url(), moto_bucket.storage_options))
     for rel in files:
         head = s3.head_object(Bucket=moto_bucket.bucket, Key=f"sse/{rel}")
         assert head.get("ServerSideEncryption") == "AES256", rel

@@ -4,18 +4,21 @@
 URL                store
 =================  ===============================================================
 a path, file://    :class:`~ckptctl.storage.local_store.LocalStore` (the OS)
-s3://, s3a://      :class:`~ckptctl.storage.s3_store.S3Store` (s3fs, botocore, obstore)
+s3://, s3a://      :class:`~ckptctl.storage.s3_native.NativeS3Store` (reads: obstore;
+                   writes: s3fs and botocore)
 az://, abfs://     :class:`~ckptctl.storage.azure.AzureStore` (obstore)
 gs://, gcs://      :class:`~ckptctl.storage.gcs.GcsStore` (gcsfs)
 anything else      :class:`Store` on that protocol's fsspec filesystem
 =================  ===============================================================
 
 ``--storage-option fsspec=true`` opens a remote place through its fsspec filesystem
-(s3fs, adlfs, gcsfs) with the generic :class:`Store` instead.
+(s3fs, adlfs, gcsfs) instead: S3 on :class:`~ckptctl.storage.s3_store.S3Store`, any other
+with the generic :class:`Store`; S3 options only s3fs carries on reads
+(``s3_additional_kwargs``...) do the same.
 
 >>> import tempfile
 >>> type(open_store(tempfile.mkdtemp())).__name__, type(open_store("s3://b/run")).__name__
-('LocalStore', 'S3Store')
+('LocalStore', 'NativeS3Store')
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ def open_store(url: str, storage_options: dict | None = None) -> "Store":
     docstring for which store answers.
 
     >>> type(open_store("s3://bucket/run")).__name__, type(open_store("memory://x")).__name__
-    ('S3Store', 'Store')
+    ('NativeS3Store', 'Store')
     """
     protocol, path = split_url(url)
     options = dict(storage_options or {})
@@ -53,6 +56,13 @@ def open_store(url: str, storage_options: dict | None = None) -> "Store":
     if protocol in ("az", "abfs"):
         path, options = _azure_account(path, options)
         options = _adlfs_options(options)
+    if protocol in ("s3", "s3a") and not generic:
+        from .s3_native import NativeS3Store, check_options, client_factory, wants_fsspec
+
+        check_options(options, url)
+        if not wants_fsspec(options):
+            return NativeS3Store(url, None, protocol, path, options=options,
+                                 client_factory=client_factory(options))
     fs = make_filesystem(protocol, options)
     if protocol in ("s3", "s3a"):
         return S3Store(url, fs, protocol, path)

@@ -237,7 +237,10 @@ def _native_failure(e: BaseException, shown: str):
     if name in ("PermissionDeniedError", "UnauthenticatedError") or re.search(
             r"status: 40[13]|AuthenticationFailed|AuthorizationFailure", text):
         return (f"access denied ({credential_hint(shown)})", "IO_ERROR", StorageError, False)
-    if "kind: Connect" in text or "Connection refused" in text:
+    if "ConnectionRefused" in text or "Connection refused" in text:
+        return ("remote unreachable (connection refused)", "REMOTE_UNREACHABLE",
+                StorageError, True)
+    if "kind: Connect" in text:
         return ("remote unreachable (could not connect)", "REMOTE_UNREACHABLE", StorageError,
                 True)
     if "kind: Timeout" in text or "timed out" in text:

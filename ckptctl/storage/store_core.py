@@ -191,7 +191,7 @@ class StoreCore:
         except CkptError:
             raise
         except Exception as e:  # noqa: BLE001 - every storage failure becomes one line
-            budget = s3_budget(self.fs)
+            budget = self._budget()
             err = storage_error(self.display(rel), e, remote=not self.is_local,
                                 budget=budget, secrets=self._secrets())
             # a connection cut mid-body broke one request, not the server: no trip, so an
@@ -199,6 +199,10 @@ class StoreCore:
             if server is not None and err.code in NO_SERVER and CUT not in err.message:
                 mark_dead(server, err.message, err.code, budget or DEFAULT_TIMEOUT)
             raise err from None
+
+    def _budget(self) -> float | None:
+        """About how long one request may take at most (what a timeout message says)."""
+        return s3_budget(self.fs)
 
     def _server(self) -> str | None:
         """Who answers this store's requests (the circuit breaker's key); None: the OS."""
