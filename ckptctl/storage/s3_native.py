@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import threading
 
+from ..errors import CkptError
 from .native_store import NativeReads
 from .s3_store import S3Store
 from .store import Store
@@ -172,6 +173,24 @@ class NativeS3Store(NativeReads, S3Store):
     """
 
     def read_into(self, rel: str, start: int, buf: memoryview) -> int:
+        """One ranged GET into ``buf``: obstore's buffer copied once (no ``bytes`` in
+        between); anything unusual (cached file, a short or refused range) through
+        :meth:`read_range`."""
+        if len(buf) and not self._cached(rel) and self._server() not in _NO_RANGES:
+            import obstore
+
+            try:
+                with self._errors(rel):
+                    got = memoryview(obstore.get_range(self.client(), self.key(rel),
+                                                       start=start, end=start + len(buf)))
+            except CkptError as e:
+                got = None  # asked again below, where each case has its answer
+                if "non-partial response" in e.message:
+                    _NO_RANGES.add(self._server())
+            if got is not None and got.nbytes == len(buf):
+                buf[:] = got
+                self._count(reads=1, bytes_read=len(buf))
+                return len(buf)
         data = self.read_range(rel, start, start + len(buf))
         buf[:len(data)] = data
         return len(data)
