@@ -41,6 +41,11 @@ class Place:
     server: object | None = None
     disk: Path | None = None  # where the bytes lie on disk (local; rclone's served folder)
 
+    @property
+    def server_kind(self) -> str:
+        """The server, whichever client route: ``moto-fsspec`` -> ``moto``."""
+        return self.kind.split("-")[0]
+
     def open(self, prefix: str = "root") -> Store:
         return open_store(f"{self.url}/{prefix}", self.options)
 
@@ -71,9 +76,11 @@ def _buckets():
             shutil.rmtree(Path(server.root) / name, ignore_errors=True)
 
 
-#: the places: the local file system, two S3 servers, Azurite through the native client and
-#: through adlfs (fsspec), fake-gcs-server through gcsfs
-KINDS = ["local", "rclone", "moto", "azurite", "azurite-fsspec", "fakegcs"]
+#: the places: the local file system, two S3 servers and Azurite, each through the native
+#: client (obstore) and through its fsspec filesystem (s3fs, adlfs), fake-gcs-server
+#: through gcsfs
+KINDS = ["local", "rclone", "rclone-fsspec", "moto", "moto-fsspec", "azurite",
+         "azurite-fsspec", "fakegcs"]
 
 
 @pytest.fixture(params=KINDS)
@@ -87,22 +94,25 @@ def place(request, tmp_path, _buckets) -> Place:
     if request.param == "fakegcs":
         box = request.getfixturevalue("gcs_bucket")
         return Place(request.param, box.url(f"t{uuid.uuid4().hex[:10]}"), {})
-    server = request.getfixturevalue("rclone_s3" if request.param == "rclone" else "moto_s3")
-    if request.param not in _buckets:
-        _buckets[request.param] = (server, f"contract-{uuid.uuid4().hex[:12]}")
-        make_bucket(server, _buckets[request.param][1])
-    bucket = _buckets[request.param][1]
+    kind = request.param.split("-")[0]
+    server = request.getfixturevalue("rclone_s3" if kind == "rclone" else "moto_s3")
+    if kind not in _buckets:
+        _buckets[kind] = (server, f"contract-{uuid.uuid4().hex[:12]}")
+        make_bucket(server, _buckets[kind][1])
+    bucket = _buckets[kind][1]
     prefix = f"t{uuid.uuid4().hex[:10]}"
     server.reset_log()
     # 5 MiB write parts: fsspec's multipart path is exercised without 50 MiB per test
     opts = {**server.storage_options, "default_block_size": PART}
+    if request.param.endswith("-fsspec"):
+        opts["fsspec"] = True
     disk = Path(server.root) / bucket / prefix if server.root is not None else None
     return Place(request.param, f"s3://{bucket}/{prefix}", opts, server=server, disk=disk)
 
 
 def quirk(request, place: Place, kinds: str, reason: str) -> None:
     """Expect this test to fail on the servers named in ``kinds`` (strict xfail)."""
-    if place.kind in kinds.split():
+    if place.server_kind in kinds.split():
         request.applymarker(pytest.mark.xfail(strict=True, reason=f"{place.kind}: {reason}"))
 
 
@@ -292,16 +302,17 @@ def test_remove_many_in_order(place):
 def test_remove_many_over_1000_keys_in_ordered_batches(place, request):
     """2,500 keys: on S3 three DeleteObjects requests, each sent only after the one before
     it finished (checked on the server's disk as each request arrives)."""
-    if place.kind == "moto":
+    if place.server_kind == "moto":
         pytest.xfail("moto: in memory, 2,500 PUTs would take most of a minute; the keys are "
                      "written straight into rclone's served folder instead (one DeleteObjects "
                      "per call is counted on moto by test_remove_many_in_order)")
     if place.disk is None and place.server is None:
         pytest.xfail(f"{place.kind}: one DELETE per key (no batch API through this client), "
                      "so no batches to order; test_remove_many_in_order counts them")
-    if place.kind == "rclone":  # a bucket rclone has not listed yet: its directory cache
+    if place.server_kind == "rclone":  # a bucket rclone has not listed yet: its directory cache
         b = request.getfixturevalue("s3_bucket")  # would hide files written behind its back
-        place = Place("rclone", b.url("big"), {**b.storage_options}, server=b.server,
+        place = Place(place.kind, b.url("big"), {**b.storage_options, **place.options},
+                      server=b.server,
                       disk=Path(b.server.root) / b.bucket / "big")
     root = place.disk / "root"
     names = [f"k/{i:04d}" for i in range(2500)]
@@ -333,7 +344,7 @@ def test_remove_many_over_1000_keys_in_ordered_batches(place, request):
 
 
 def test_remove_many_raises_when_the_server_refuses(place, request):
-    if place.kind == "moto" or place.kind.startswith(("azurite", "fakegcs")):
+    if place.server_kind in ("moto", "azurite", "fakegcs"):
         pytest.xfail(f"{place.kind}: no way to make it refuse a delete (a folder key is "
                      "rclone's and the local file system's; on Azure and GCS a folder is no "
                      "object, so deleting its name deletes nothing)")
