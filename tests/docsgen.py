@@ -72,6 +72,19 @@ ENVIRONMENT = [
     ("AWS_REGION, AWS_DEFAULT_REGION", "The S3 region, where the service needs one."),
     ("AWS_SHARED_CREDENTIALS_FILE, AWS_CONFIG_FILE",
      "Where the AWS shared credentials and config files are (default ~/.aws/)."),
+    ("AZURE_STORAGE_CONNECTION_STRING",
+     "Account, key or SAS and endpoint for az:// (abfs://) URLs, as Azure's tools take them "
+     "(AccountName=...;AccountKey=...;BlobEndpoint=...); -o account_name=/account_key=/"
+     "connection_string=... override it."),
+    ("AZURE_STORAGE_ACCOUNT_NAME, AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_TOKEN, "
+     "AZURE_STORAGE_ENDPOINT",
+     "The Azure account and its key or SAS token (and another endpoint) when there is no "
+     "connection string."),
+    ("GOOGLE_APPLICATION_CREDENTIALS",
+     "A service-account (or user) JSON file for gs:// URLs; else gcloud's application-default "
+     "credentials or the metadata server (-o token=PATH or token=anon overrides it)."),
+    ("STORAGE_EMULATOR_HOST",
+     "A Google Cloud Storage emulator (fake-gcs-server) for gs:// URLs, used anonymously."),
     ("CKPTCTL_CONFIG",
      "The tier config file when --config is not given (else ./ckptctl.toml). A tier's "
      "storage_options win over the AWS_* variables; -o and --src-option/--dst-option over "

@@ -115,17 +115,17 @@ def _data_put(r) -> bool:
 # ------------------------------------------------------------------ options (unit)
 
 def test_s3_options_carry_timeouts_and_user_options_win(monkeypatch):
-    from ckptctl.storage.filesystems import (_s3_options, make_filesystem, request_timeout,
+    from ckptctl.storage.filesystems import (s3fs_options, make_filesystem, request_timeout,
                                              s3_budget, set_timeout)
 
-    o = _s3_options({}, timeout=60)
+    o = s3fs_options({}, timeout=60)
     cfg = o["config_kwargs"]
     assert (cfg["connect_timeout"], cfg["read_timeout"]) == (10.0, 20.0)
     assert cfg["retries"] == {"total_max_attempts": 3, "mode": "standard"}
     assert o["retries"] == 1
     assert cfg["response_checksum_validation"] == "when_required"
 
-    o = _s3_options({"config_kwargs": {"read_timeout": 300, "retries": {"max_attempts": 9}},
+    o = s3fs_options({"config_kwargs": {"read_timeout": 300, "retries": {"max_attempts": 9}},
                      "retries": 7}, timeout=9)
     assert o["config_kwargs"]["read_timeout"] == 300
     assert o["config_kwargs"]["connect_timeout"] == 3.0  # ours where the user said nothing

@@ -61,7 +61,7 @@ def request_timeout() -> float:
     return parse_timeout(env) if env else DEFAULT_TIMEOUT
 
 
-def _s3_options(options: dict, timeout: float | None = None) -> dict:
+def s3fs_options(options: dict, timeout: float | None = None) -> dict:
     """ckptctl's s3fs options under the user's own (which win, key by key).
 
     ``timeout`` (default :func:`request_timeout`) bounds one request, retries included:
@@ -70,7 +70,7 @@ def _s3_options(options: dict, timeout: float | None = None) -> dict:
     so a server that accepts and never answers fails the request after about ``timeout``
     s (plus botocore's backoff between tries, under 3 s).
 
-    >>> o = _s3_options({"config_kwargs": {"read_timeout": 300}}, timeout=60)
+    >>> o = s3fs_options({"config_kwargs": {"read_timeout": 300}}, timeout=60)
     >>> o["retries"], o["config_kwargs"]["read_timeout"], o["config_kwargs"]["connect_timeout"]
     (1, 300, 10.0)
     >>> o["config_kwargs"]["retries"]  # botocore's max_attempts would count retries only
@@ -178,7 +178,7 @@ def make_filesystem(protocol: str, options: dict | None = None):
     a process, shared by its threads)."""
     options = dict(options or {})
     if protocol in ("s3", "s3a"):
-        options = _s3_options(options)
+        options = s3fs_options(options)
         import json
 
         key = json.dumps([options, [os.environ.get(v) for v in _S3_ENV], os.getpid()],

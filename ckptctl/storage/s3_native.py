@@ -49,13 +49,13 @@ def check_options(options: dict, shown: str) -> None:
     ckptctl.errors.UsageError: s3://b/r: unknown storage option 'endpoint' (S3: endpoint_url, key, secret, token, profile, client_kwargs...)
     """
     from ..errors import UsageError
-    from .filesystems import _s3_options
+    from .filesystems import s3fs_options
 
     for key in options:
         if key not in OPTIONS and key != "fsspec":
             raise UsageError(f"unknown storage option {key!r} (S3: endpoint_url, key, secret, "
                              "token, profile, client_kwargs...)", shown)
-    _s3_options(dict(options))  # nested options given flat: one line naming the form
+    s3fs_options(dict(options))  # nested options given flat: one line naming the form
 
 
 def wants_fsspec(options: dict) -> bool:
