@@ -157,6 +157,8 @@ class Transfer:
             return self._server_copy(rel, size, want)
         if size <= self.part_size:
             return self._put(rel, size, want)
+        if not self.dst.caps.multipart:
+            return self._streamed(rel, size, want)
         if self.kernel:
             return self._kernel_multipart(rel, size, want)
         return self._multipart(rel, size, want)
@@ -187,6 +189,31 @@ class Transfer:
             self.journal.file_done(rel, digest, size)
         self.progress(size)
         return FileCopy(rel, size, digest, "put", sent=size)
+
+    def _streamed(self, rel: str, size: int, want: str) -> FileCopy:
+        """A large file to a store with no multipart uploads of its own (GCS, Azure): one
+        streamed write (:meth:`Store.write_file`: gcsfs's resumable upload, obstore's block
+        writer) fed by the source's blocks, hashed on the way, in bounded memory. The
+        write is published only if the whole file hashes to ``want``: a mismatch is
+        raised by the feed itself, which abandons the write. A killed copy sends the
+        file again (no part-level resume through these clients)."""
+        h, got = new_hasher(self.algo), 0
+
+        def blocks():
+            nonlocal got
+            for block in self.src.iter_blocks(rel, block=min(self.part_size, 8 << 20)):
+                self.parts.check()
+                self.limiter.acquire(len(block))
+                h.update(block)
+                got += len(block)
+                yield block
+                self.progress(len(block))
+            if got != size or h.hexdigest() != want:
+                raise self._mismatch(rel, h.hexdigest())
+
+        self.dst.write_file(rel, blocks(), algo=None)
+        self.journal.file_done(rel, want, size)
+        return FileCopy(rel, size, want, "put", sent=size)
 
     def _server_copy(self, rel: str, size: int, want: str) -> FileCopy:
         self.parts.retry(lambda: multipart.copy_object(self.src, rel, self.dst, rel), rel)
