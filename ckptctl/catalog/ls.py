@@ -165,9 +165,10 @@ def _lone_file(store, root: str, storage_options: dict | None) -> tuple:
     an empty folder, bucket or S3 prefix (in a bucket that exists) lists no checkpoint,
     a file is listed from its folder."""
     if not store.exists():
-        if store.is_s3 and "/" in store.root.strip("/") \
-                and open_store("s3://" + store.root.split("/", 1)[0], storage_options).exists():
-            return store, {}  # S3 has no folders: a prefix with nothing under it is empty
+        scheme = store.url.partition("://")[0]
+        if not store.is_local and "/" in store.root.strip("/") and open_store(
+                f"{scheme}://{store.root.split('/', 1)[0]}", storage_options).exists():
+            return store, {}  # object stores have no folders: an unused prefix is empty
         raise NotFoundError(root, "no such file or directory")
     if store.isdir():
         return store, {}

@@ -235,7 +235,8 @@ def _native_failure(e: BaseException, shown: str):
     if name in ("AlreadyExistsError", "PreconditionError"):
         return "already exists", "ALREADY_EXISTS", StorageError, False
     if name in ("PermissionDeniedError", "UnauthenticatedError") or re.search(
-            r"status: 40[13]|AuthenticationFailed|AuthorizationFailure", text):
+            r"status: 40[13]|AuthenticationFailed|AuthorizationFailure|Invalid Access Key",
+            text):
         return (f"access denied ({credential_hint(shown)})", "IO_ERROR", StorageError, False)
     if "ConnectionRefused" in text or "Connection refused" in text:
         return ("remote unreachable (connection refused)", "REMOTE_UNREACHABLE",
