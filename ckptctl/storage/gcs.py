@@ -20,6 +20,8 @@ from .failures import GCS_CREDENTIALS
 from .store import Store
 from .store_core import Capabilities
 
+#: bytes per resumable-upload request of a streamed write (a multiple of GCS's 256 KiB)
+CHUNK = 16 << 20
 SET_THIS = GCS_CREDENTIALS  # what a missing or refused credential names
 
 
@@ -29,6 +31,15 @@ class GcsStore(Store):
     @property
     def caps(self) -> Capabilities:
         return Capabilities(False, True, False, False)
+
+    def open(self, rel: str, mode: str = "rb", **kw):
+        """As :meth:`Store.open`; a write goes up in resumable chunks of :data:`CHUNK`
+        (gcsfs's default, 5 MiB, is a round trip each, and fake-gcs-server spends CPU per
+        chunk in proportion to the object so far: 256 MiB cost it 8.4 s in 5 MiB chunks,
+        5.0 s in 16 MiB ones)."""
+        if ("w" in mode or "x" in mode) and "block_size" not in kw:
+            kw["block_size"] = CHUNK
+        return super().open(rel, mode, **kw)
 
     def _server(self) -> str | None:
         return f"gs:{getattr(self.fs, '_endpoint', None) or getattr(self.fs, 'endpoint_url', '')}"
