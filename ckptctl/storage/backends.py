@@ -22,6 +22,8 @@ with the generic :class:`Store`; S3 options only s3fs carries on reads
 """
 from __future__ import annotations
 
+import os
+
 from ..errors import UsageError
 from .filesystems import make_filesystem
 from .local_store import LocalStore
@@ -85,18 +87,13 @@ def _azure_account(path: str, options: dict) -> tuple[str, dict]:
 
 
 def _adlfs_options(options: dict) -> dict:
-    """adlfs takes the connection string and account from the same variables."""
+    """adlfs's options from the same settings: the connection string whole, else the
+    account and its key or SAS token (:func:`~ckptctl.storage.azure.azure_config`)."""
     from .azure import azure_config
 
-    cfg = azure_config(options)
-    out = {"account_name": cfg.get("account_name")}
-    if cfg.get("account_key"):
-        out["account_key"] = cfg["account_key"]
-    if cfg.get("sas_token"):
-        out["sas_token"] = cfg["sas_token"]
-    import os
-
-    conn = options.get("connection_string") or os.environ.get("AZURE_STORAGE_CONNECTION_STRING")
+    conn = options.get("connection_string") or (
+        None if options.get("account_name") else os.environ.get("AZURE_STORAGE_CONNECTION_STRING"))
     if conn:
-        out = {"connection_string": conn}
-    return out
+        return {"connection_string": conn}
+    cfg = azure_config(options)
+    return {k: cfg[k] for k in ("account_name", "account_key", "sas_token") if cfg.get(k)}

@@ -27,7 +27,7 @@ import os
 import threading
 from typing import Iterator
 
-from ..errors import CkptError, Finding, NotFoundError
+from ..errors import Finding, NotFoundError
 from .store import Store
 
 #: An ETag no object has: a replace conditioned on it must fail where ``If-Match`` works.
@@ -70,11 +70,6 @@ def folder_lock(store: Store) -> Iterator[bool]:
         os.close(fd)  # releases the lock
 
 
-def _bucket_key(store: Store, rel: str) -> tuple[str, str]:
-    bucket, _, key = store.full(rel).partition("/")
-    return bucket, key
-
-
 def read_versioned(store: Store, rel: str) -> tuple[bytes, str | None] | None:
     """``(bytes, version)`` of ``rel`` read fresh (never from the small-file cache), or
     None when it is not there. S3: the version is the ETag, asked before the bytes are
@@ -82,16 +77,9 @@ def read_versioned(store: Store, rel: str) -> tuple[bytes, str | None] | None:
     than overwrite; locally it is None (hold :func:`folder_lock` instead)."""
     store._uncache(rel)
     etag = None
-    if getattr(store, "conditional_writes", False):  # a native object store: its own calls
+    if store.conditional_writes:
         try:
             etag = store.version_of(rel)
-        except NotFoundError:
-            return None
-    elif store.is_s3:
-        bucket, key = _bucket_key(store, rel)
-        try:
-            with store._errors(rel):
-                etag = store.fs.call_s3("head_object", Bucket=bucket, Key=key).get("ETag")
         except NotFoundError:
             return None
     try:
@@ -106,23 +94,10 @@ def replace_if(store: Store, rel: str, data: bytes, version: str | None) -> bool
     gave (S3: ``If-Match``); False when another writer changed it since. Locally the
     replace is atomic (temp file and rename) and unconditional: hold :func:`folder_lock`.
     """
-    conditional = getattr(store, "conditional_writes", False)
-    if not (store.is_s3 or conditional) or version is None:
+    if not store.conditional_writes or version is None:
         store.write_atomic(rel, data)
         return True
-    if conditional:
-        return store.put_if_match(rel, data, version)
-    bucket, key = _bucket_key(store, rel)
-    store._uncache(rel)
-    try:
-        with store._errors(rel):
-            store.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=version)
-    except CkptError as e:
-        if e.code == "ALREADY_EXISTS" or "ConditionalRequestConflict" in e.message:
-            return False  # 412 (changed since), or 409 (another conditional write racing)
-        raise
-    store._count(writes=1, bytes_written=len(data))
-    return True
+    return store.put_if_match(rel, data, version)
 
 
 def create_if_absent(store: Store, rel: str, data: bytes) -> bool:
@@ -145,7 +120,7 @@ def honours_conditions(store: Store, scratch: str) -> bool:
     Other remote stores: False."""
     if store.is_local:
         return True
-    if not (store.is_s3 or getattr(store, "conditional_writes", False)):
+    if not store.conditional_writes:
         return False
     server = store._server()
     with _known_lock:

@@ -85,6 +85,31 @@ class S3Store(Store):
             if not page.get("IsTruncated") or not token:
                 return found
 
+    # ---------------------------------------------------------------- conditional writes
+    conditional_writes = True
+
+    def version_of(self, rel: str) -> str | None:
+        """The ETag of ``rel`` now (what :meth:`put_if_match` compares); NotFoundError
+        when it is not there."""
+        bucket, _, key = self.full(rel).partition("/")
+        with self._errors(rel):
+            return self.fs.call_s3("head_object", Bucket=bucket, Key=key).get("ETag")
+
+    def put_if_match(self, rel: str, data: bytes, version: str) -> bool:
+        """Replace ``rel`` if its ETag is still ``version`` (``If-Match``); False when
+        another writer changed it since (412) or is writing it now (409)."""
+        bucket, _, key = self.full(rel).partition("/")
+        self._uncache(rel)
+        try:
+            with self._errors(rel):
+                self.fs.call_s3("put_object", Bucket=bucket, Key=key, Body=data, IfMatch=version)
+        except CkptError as e:
+            if e.code == "ALREADY_EXISTS" or "ConditionalRequestConflict" in e.message:
+                return False
+            raise
+        self._count(writes=1, bytes_written=len(data))
+        return True
+
     # ---------------------------------------------------------------- writes
     def _put(self, rel: str, full: str, data: bytes, exclusive: bool) -> None:
         from . import s3data

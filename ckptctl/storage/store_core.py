@@ -71,6 +71,9 @@ class StoreCore:
     is_local = False
     #: an S3 API (s3fs + the bulk client of :mod:`~ckptctl.storage.s3data`)
     is_s3 = False
+    #: the store sends If-Match updates (``version_of``/``put_if_match``) and
+    #: If-None-Match creates; :mod:`~ckptctl.storage.conditional` asks
+    conditional_writes = False
 
     def __init__(self, url: str, fs, protocol: str, root: str):
         self.url = url
