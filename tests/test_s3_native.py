@@ -17,6 +17,7 @@ import sys
 
 import pytest
 
+from ckptctl.errors import CkptError
 from ckptctl.storage import open_store
 from ckptctl.storage.s3_store import S3Store
 
@@ -47,6 +48,24 @@ def test_listing_and_reading_s3_imports_neither_s3fs_nor_botocore(tiny_dcp, moto
     p = subprocess.run([sys.executable, "-c", NO_S3FS, moto_bucket.url("run"),
                         moto_bucket.url("run/step-42")], capture_output=True, text=True,
                        env=_env(moto_bucket.server), timeout=300)
+    assert p.returncode == 0 and "clean" in p.stdout, p.stderr[-3000:]
+
+
+NO_S3FS_UP = NO_S3FS.replace(
+    "for argv in (", "for argv in ([\"promote\", sys.argv[3], sys.argv[2]], "
+    "[\"promote\", sys.argv[3], sys.argv[2]], ")
+
+
+def test_promoting_small_files_to_s3_imports_neither_s3fs_nor_botocore(tiny_dcp, moto_bucket):
+    """A checkpoint of files below S3's smallest part goes up, is found there (nothing
+    to send the second time), is listed and read, all through obstore (``rm`` and ``gc``
+    send DeleteObjects batches through botocore)."""
+    from ckptctl.ops import seal
+
+    seal(str(tiny_dcp))
+    p = subprocess.run([sys.executable, "-c", NO_S3FS_UP, moto_bucket.url("run"),
+                        moto_bucket.url("run/step-42"), str(tiny_dcp)], capture_output=True,
+                       text=True, env=_env(moto_bucket.server), timeout=300)
     assert p.returncode == 0 and "clean" in p.stdout, p.stderr[-3000:]
 
 
@@ -84,8 +103,17 @@ def test_the_s3fs_route_stays_where_asked(options):
     assert type(st) is S3Store
 
 
-def test_a_write_after_reads_makes_its_client_then(moto_bucket):
+def test_whole_writes_and_deletes_make_no_s3fs_client(moto_bucket):
+    """Small whole objects (a promote's files, manifests, markers) and single deletes go
+    through obstore too; s3fs is made only for what it alone does (multipart uploads,
+    DeleteObjects batches, copies, If-Match updates)."""
     st = open_store(moto_bucket.url("w"), moto_bucket.storage_options)
     assert st.list_files() == {} and st._fs is None  # nothing of s3fs made for a listing
     st.write_atomic("m.json", b"{}", exclusive=True)
-    assert st.read("m.json") == b"{}" and st._fs is not None
+    with pytest.raises(CkptError, match="already exists"):
+        st.write_atomic("m.json", b"[]", exclusive=True)  # moto honours If-None-Match
+    st.remove("m.json")
+    st.remove("never-there.json")
+    assert st.list_files() == {} and st._fs is None
+    st.remove_many(["a", "b"])
+    assert st._fs is not None

@@ -97,7 +97,17 @@ def _client_code(chain: list[BaseException]) -> str | None:
             status = (resp.get("ResponseMetadata") or {}).get("HTTPStatusCode")
             if status:
                 return f"HTTP {status}"
+        if _from_obstore(x):  # S3's error document, quoted in obstore's message
+            found = re.search(r"<Code>(\w+)</Code>", str(x))
+            if found:
+                return found.group(1)
     return None
+
+
+def _from_obstore(e: BaseException) -> bool:
+    """Raised by obstore (it raises its not-found as the builtin FileNotFoundError: told
+    by its words)."""
+    return type(e).__module__.startswith("obstore") or "Error performing " in str(e)
 
 
 def _names(chain: list[BaseException]) -> set[str]:
@@ -224,13 +234,15 @@ def credential_hint(shown: str) -> str:
 def _native_failure(e: BaseException, shown: str):
     """``(message, code, class, transient)`` for an obstore (Rust ``object_store``)
     error, told by its class and the kind its message reports; None for any other."""
-    if not type(e).__module__.startswith("obstore"):
-        return None
     name, text = type(e).__name__, str(e)
+    if not _from_obstore(e):
+        return None
     if "ContainerNotFound" in text or "NoSuchBucket" in text:
         return "no such container" if "Container" in text else "no such bucket", \
             "MISSING_FILE", NotFoundError, False
-    if name == "NotFoundError":
+    if shown.startswith("s3://") and re.search(r"<Code>\w+</Code>", text):
+        return None  # S3's error code: told as botocore's are (storage_error)
+    if name == "NotFoundError" or isinstance(e, FileNotFoundError):
         return "not found", "MISSING_FILE", NotFoundError, False
     if name in ("AlreadyExistsError", "PreconditionError"):
         return "already exists", "ALREADY_EXISTS", StorageError, False

@@ -239,16 +239,7 @@ class NativeStore(NativeReads):
             return StoreFile(self, rel, obstore.open_reader(self.client(), self.key(rel)), mode)
 
     def _put(self, rel: str, full: str, data: bytes, exclusive: bool) -> None:
-        import obstore
-
-        with self._errors(rel):
-            try:
-                obstore.put(self.client(), self.key(rel), bytes(data),
-                            mode="create" if exclusive else "overwrite")
-            except Exception as e:  # noqa: BLE001 - obstore's classes, by name
-                if _name(e) in ("AlreadyExistsError", "PreconditionError"):
-                    raise already_exists(self.display(rel)) from None
-                raise
+        put_whole(self, rel, data, exclusive)
 
     def version_of(self, rel: str) -> str | None:
         """The ETag of ``rel`` now (what :meth:`put_if_match` compares); NotFoundError
@@ -278,14 +269,34 @@ class NativeStore(NativeReads):
             self.remove(rel)
 
     def _unlink(self, full: str) -> None:
-        import obstore
+        unlink(self, full)
 
+
+def put_whole(store: NativeReads, rel: str, data, exclusive: bool) -> None:
+    """One PUT of all of ``data`` at ``rel`` through ``store``'s obstore client;
+    ``exclusive``: ``If-None-Match: *``, an existing object refused as ALREADY_EXISTS
+    (a server that ignores the header overwrites: callers read back what they must)."""
+    import obstore
+
+    with store._errors(rel):
         try:
-            obstore.delete(self.client(), full.partition("/")[2])
-        except Exception as e:  # noqa: BLE001 - missing is fine
-            if _name(e) != "NotFoundError":
-                raise
-            raise FileNotFoundError(full) from None
+            obstore.put(store.client(), store.key(rel), memoryview(data).cast("B"),
+                        mode="create" if exclusive else "overwrite")
+        except Exception as e:  # noqa: BLE001 - obstore's classes, by name
+            if _name(e) in ("AlreadyExistsError", "PreconditionError"):
+                raise already_exists(store.display(rel)) from None
+            raise
+
+
+def unlink(store: NativeReads, full: str) -> None:
+    """Delete the object ``full`` (``bucket/key``); FileNotFoundError when it is not
+    there (nor its bucket: nothing to delete either way)."""
+    import obstore
+
+    try:
+        obstore.delete(store.client(), full.partition("/")[2])
+    except FileNotFoundError:  # obstore's not-found is the builtin
+        raise FileNotFoundError(full) from None
 
 
 def _name(e: BaseException) -> str:

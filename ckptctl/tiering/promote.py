@@ -161,6 +161,17 @@ def _same_content(files: dict[str, int], man: Manifest) -> bool:
     return all(files.get(rel) == rec.size for rel, rec in man.files.items())
 
 
+
+def _abort_unfinished(store: Store, man: Manifest) -> None:
+    """Abort the multipart uploads left under ``store``. Only a file larger than S3's
+    smallest part is ever sent in parts (``--part-size`` is at least that), so a
+    checkpoint of small files skips the listing, and with it s3fs's client."""
+    from ..storage import multipart
+
+    if any(f.size > multipart.MIN_PART for f in man.files.values()):
+        for up in multipart.list_uploads(store):
+            multipart.abort_upload(store, up.rel, up.upload_id)
+
 def _marker(man_id: str, journal: str | None) -> bytes:
     return (json.dumps({"command": "promote", "source": man_id, "pid": os.getpid(),
                         "host": socket.gethostname(), "journal": journal,
@@ -229,10 +240,7 @@ class _Destination:
             self.work.remove_many([r for r in self.work.list_files()
                                    if r not in self.man.files and r != WRITING_MARKER])
         elif self.work.caps.multipart:  # uploads a killed run began before its journal
-            from ..storage import multipart  # knew them: billable, and verify warns
-
-            for up in multipart.list_uploads(self.work):
-                multipart.abort_upload(self.work, up.rel, up.upload_id)
+            _abort_unfinished(self.work, self.man)  # knew them: billable, verify warns
         # the marker goes last: a kill before leaves nothing that looks committed and
         # names this source (a rerun adopts the data); after the manifest, a rerun
         # finds it committed and removes the marker
