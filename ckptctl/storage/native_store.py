@@ -226,14 +226,11 @@ class NativeStore(NativeReads):
 
     # ---------------------------------------------------------------- writes
     def open(self, rel: str, mode: str = "rb", **kw):
+        if "w" in mode or "x" in mode:
+            return open_write(self, rel, mode)
         from .store_file import StoreFile
 
-        writing = "w" in mode or "x" in mode
-        if writing:
-            self._uncache(rel)
         with self._errors(rel):
-            if writing:
-                return StoreFile(self, rel, _Writer(self.client(), self.key(rel)), mode)
             import obstore
 
             return StoreFile(self, rel, obstore.open_reader(self.client(), self.key(rel)), mode)
@@ -286,6 +283,18 @@ def put_whole(store: NativeReads, rel: str, data, exclusive: bool) -> None:
             if _name(e) in ("AlreadyExistsError", "PreconditionError"):
                 raise already_exists(store.display(rel)) from None
             raise
+
+
+def open_write(store: NativeReads, rel: str, mode: str = "wb"):
+    """``rel`` opened for a streamed write through ``store``'s obstore client (one PUT up
+    to :data:`ONE_PUT` bytes, a multipart upload beyond), published on ``close``; leaving
+    a ``with`` block by an exception abandons it."""
+    from .store_file import StoreFile
+
+    store._uncache(rel)
+    store._forget(rel)
+    with store._errors(rel):
+        return StoreFile(store, rel, _Writer(store.client(), store.key(rel)), mode)
 
 
 def unlink(store: NativeReads, full: str) -> None:
