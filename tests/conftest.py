@@ -26,7 +26,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 pytest_plugins = ["fixtures_torch", "fixtures_s3", "fixtures_thirdparty", "fixtures_deepspeed",
-                  "fixtures_megatron", "fixtures_cloud"]
+                  "fixtures_megatron", "fixtures_cloud", "fixtures_orbax"]
 collect_ignore = ["fixtures"]  # generator scripts, run by fixtures_torch / fixtures_thirdparty
 
 TESTS = Path(__file__).parent
