@@ -193,6 +193,10 @@ class NativeS3Store(NativeReads, S3Store):
                 buf[:] = got
                 self._count(reads=1, bytes_read=len(buf))
                 return len(buf)
+        if len(buf) and not self._cached(rel) and self._server() in _NO_RANGES:
+            from . import s3data  # straight into buf: a download's parts copied no more
+
+            return s3data.get_into(self, rel, start, buf)
         data = self.read_range(rel, start, start + len(buf))
         buf[:len(data)] = data
         return len(data)
