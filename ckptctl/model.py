@@ -108,7 +108,9 @@ class Extent(NamedTuple):
     ``encoding`` is one of ``raw`` (the row-major bytes themselves), ``torch_zip`` (the range
     is a complete ``torch.save`` zip holding one storage, as DCP writes), ``torch_zip+zstd``
     (that zip compressed with zstd, DCP's ``stream.zstd/1``) or ``torch_save`` (an entry of a
-    ``torch.save`` file, read through torch; ``offset``/``length`` are the whole file).
+    ``torch.save`` file, read through torch; ``offset``/``length`` are the whole file)
+    or ``zarr`` (one chunk of an Orbax zarr array, decoded by tensorstore: ``file`` is its
+    key under the checkpoint, a file of a per-array folder or a key inside OCDBT).
 
     Extents and chunks are named tuples, not dataclasses: a 10,000-rank checkpoint has
     hundreds of thousands of each, and a tuple is the most compact immutable record.

@@ -33,7 +33,9 @@ _RULES = [
     # a module's _extra_state (Transformer Engine's FP8 metadata; Megatron's ShardedObject
     # ``<key>/shard_<offset>_<shape>``): bytes beside the weights, not a weight
     ("meta", re.compile(r"(^|\.)_extra_state(/|\.|$)")),
-    ("optim", re.compile(r"^(optim|optimizer|optimizers|opt|optimizer_states?|distrib_optim)"
+    # ``opt_state``: Orbax / optax (``opt_state.0.mu.<param>``)
+    ("optim", re.compile(r"^(optim|optimizer|optimizers|opt|opt_state|optimizer_states?|"
+                         r"distrib_optim)"
                          r"(_\d+)?(\.|$)|"
                          r"(^|\.)(exp_avg|exp_avg_sq|param_groups|momentum_buffer)(\.|$)")),
     ("lr_scheduler", re.compile(r"^(lr_schedulers?|schedulers?|sched|opt_param_scheduler)"

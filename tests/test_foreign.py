@@ -1,9 +1,11 @@
 """Formats ckptctl does not read are refused by name, never read in part (issue 17,
 items 7 and 8): DeepSpeed pipeline and MoE layouts, one rank's file of a DeepSpeed
 checkpoint, an HF Trainer folder holding a DeepSpeed tag, Megatron-core ``torch_dist``
-and legacy folders, Orbax (OCDBT). (DeepSpeed ZeRO tag folders, save folders and
+and legacy folders. (DeepSpeed ZeRO tag folders, save folders and
 universal checkpoints are read since issue 18: tests/test_deepspeed.py; the synthetic
-ones here lack what real ones hold and read as corrupt, by name.) A run folder given where
+ones here lack what real ones hold and read as corrupt, by name. Orbax step and item
+folders are read since issue 39: tests/test_orbax.py; the zoo's, an empty PyTree, reads
+as a checkpoint of no tensors.) A run folder given where
 one checkpoint is expected says how many it holds; ``verify ROOT --all`` verifies each;
 an empty S3 prefix is an empty place.
 
@@ -192,9 +194,6 @@ REFUSED = [
     ("pipe/global_step5", "DeepSpeed pipeline (per-layer model states)"),
     ("moe/global_step5", "DeepSpeed MoE (expert model states)"),
     ("legacy/iter_0000010/mp_rank_00_000/model_optim_rng.pt", "Megatron legacy"),
-    ("orbax/10", "Orbax (OCDBT)"),
-    ("orbax/10/default", "Orbax (OCDBT)"),
-    ("orbax", "Orbax (OCDBT) (a folder of 1: 10)"),
     ("hf/checkpoint-500", "DeepSpeed ZeRO-3 (model and optimizer partitions), a save folder of 1 "
                           "checkpoint (global_step500)"),
 ]
@@ -248,8 +247,20 @@ def test_library_raises_unsupported_format(zoo):
 
     with pytest.raises(UnsupportedFormatError, match="DeepSpeed MoE"):
         open_checkpoint(str(zoo / "moe" / "global_step5"))
-    with pytest.raises(UnsupportedFormatError, match="Orbax"):
-        verify(str(zoo / "orbax" / "10"), level="quick")
+    with pytest.raises(UnsupportedFormatError, match="DeepSpeed pipeline"):
+        verify(str(zoo / "pipe" / "global_step5"), level="quick")
+
+
+def test_orbax_folders_are_read_not_refused(zoo, cli):
+    """Orbax was refused by name until issue 39; now its step and item folders open (the
+    zoo's is an empty PyTree: no tensors), and its manager root holds checkpoints."""
+    for rel in ("orbax/10", "orbax/10/default"):
+        code, out, err = cli("inspect", str(zoo / rel), "--json")
+        assert code == 0, err
+        doc = json.loads(out)
+        assert (doc["format"], doc["num_tensors"]) == ("orbax", 0), doc
+    code, out, err = cli("inspect", str(zoo / "orbax"))
+    assert code == 2 and "holds 1 checkpoint (10)" in _one_line(err), err
 
 
 def test_megatron_metadata_without_its_config_is_not_committed(tmp_path, cli):
@@ -300,11 +311,11 @@ def test_ls_lists_each_foreign_checkpoint_as_one_unknown_row(zoo, cli):
         ("dcp", "complete"), rows["meg/iter_0000010"]
     for name in ("ds3/global_step10", "ds12/global_step5"):  # lack what real ones hold
         assert (rows[name]["format"], rows[name]["state"]) == ("deepspeed", "corrupt"), rows[name]
+    assert (rows["orbax/10"]["format"], rows["orbax/10"]["state"]) == ("orbax", "complete")
     uni = rows["uni/global_step10_universal"]
     assert (uni["format"], uni["state"]) == ("deepspeed-universal", "complete"), uni
     want = {"pipe/global_step5": ("deepspeed", "DeepSpeed pipeline"),
             "moe/global_step5": ("deepspeed", "DeepSpeed MoE"),
-            "orbax/10": ("orbax", "Orbax (OCDBT)"),
             "hf/checkpoint-500": ("deepspeed", "DeepSpeed ZeRO-3")}
     for name, (fmt, words) in want.items():
         r = rows[name]
@@ -333,8 +344,8 @@ def test_ls_from_the_listing_alone_does_not_call_them_complete(zoo):
     from ckptctl.ops import ls
 
     rows = {r.name: r for r in ls(str(zoo), check="listing").checkpoints}
-    for name in ("pipe/global_step5", "orbax/10"):
-        assert rows[name].state == "unknown" and rows[name].exact, rows[name]
+    assert rows["pipe/global_step5"].state == "unknown" and rows["pipe/global_step5"].exact
+    assert (rows["orbax/10"].format, rows["orbax/10"].state) == ("orbax", "complete")  # read
 
 
 def test_gc_keeps_what_it_cannot_read(tmp_path, cli):

@@ -69,7 +69,8 @@ def layout_files(files: dict[str, int]) -> set[str]:
     Megatron legacy iteration's ``mp_rank_TT[_PPP]/model_optim_rng.pt`` and the
     ``distrib_optim.pt`` beside each; a Megatron ``torch_dist`` folder's ``metadata.json``,
     ``common.pt`` and ``integrity.json`` (megatron-core 0.19 writes no ``common.pt``, so
-    nothing made its JSON a model folder's side files).
+    nothing made its JSON a model folder's side files); an Orbax step or item folder's
+    metadata, OCDBT trees and array folders.
 
     >>> sorted(layout_files({"zero/w/fp32.pt": 8, "zero/w/notes.txt": 1,
     ...                      "mp_rank_00/model_optim_rng.pt": 9, "NOTES.md": 1}))
@@ -78,8 +79,9 @@ def layout_files(files: dict[str, int]) -> set[str]:
     from ..formats.deepspeed import universal_files
     from ..formats.megatron import dist_files
     from ..formats.megatron_legacy import legacy_files
+    from ..formats.orbax import layout_files as orbax_files
 
-    return universal_files(files) | legacy_files(files) | dist_files(files)
+    return universal_files(files) | legacy_files(files) | dist_files(files) | orbax_files(files)
 
 
 def split_owned(files: dict[str, int], manifest: Manifest | None = None, *,

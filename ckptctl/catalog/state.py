@@ -10,7 +10,8 @@
   cannot be restored, whatever its own files say);
 * ``corrupt``: something is there but wrong (unparsable metadata, wrong sizes);
 * ``unknown``: it cannot be read here (a torch.save file without torch installed), or it
-  is a format ckptctl does not read (DeepSpeed, Megatron-core, Orbax: refused by name).
+  is a layout ckptctl does not read (a DeepSpeed pipeline, another Megatron-core backend:
+  refused by name).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Formats: readers that map DCP, safetensors (single + HF), torch.save, DeepSpeed, Megatron
-and packs onto the logical model, the byte-level writers, and format detection.
+"""Formats: readers that map DCP, safetensors (single + HF), torch.save, DeepSpeed, Megatron,
+Orbax and packs onto the logical model, the byte-level writers, and format detection.
 Imports storage and the foundations (model, errors, layout, ...) only.
 
 >>> from ckptctl.formats import open_checkpoint

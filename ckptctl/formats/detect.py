@@ -12,6 +12,8 @@
 (1200, 1200, None)
 >>> step_from_name("ckpts/epoch=3-step=1200.ckpt"), step_from_name("m-epoch=0-step=7-v1.ckpt")
 (1200, 7)
+>>> step_from_name("run/30.orbax-checkpoint-tmp")
+30
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ import re
 from ..errors import CkptError, FormatError, UnsupportedFormatError, UsageError
 from ..model import Checkpoint, natural_key
 from ..storage import Store
-from . import (composite, dcp, deepspeed, foreign, megatron, megatron_legacy, safetensors,
-               torchsave)
+from . import (composite, dcp, deepspeed, foreign, megatron, megatron_legacy, orbax,
+               safetensors, torchsave)
 from .locate import file_format as _file_format
 from .locate import latest_tag
 from .locate import locate as locate_place
@@ -36,6 +38,9 @@ _STEP_PATTERNS = [re.compile(p) for p in (
 )]
 #: Lightning's ModelCheckpoint names: ``epoch=3-step=1200.ckpt``, ``m-step=7-v1.ckpt``.
 _LIGHTNING_STEP = re.compile(r"(?:^|[-_])step=(\d+)(?=[-_.]|$)")
+#: An Orbax save in flight: ``30.orbax-checkpoint-tmp``, ``ckpt_30.orbax-checkpoint-tmp-1712``
+#: (a finished step folder's bare ``30`` is read by formats/orbax.py, beside its metadata).
+_ORBAX_TMP_STEP = re.compile(r"^(?:.*_)?0*(\d+)\.orbax-checkpoint-tmp(?:-\d+)?$")
 
 #: Entries that hold the step, first found wins (torch.save, Lightning ``.ckpt``, folders).
 STEP_ENTRIES = ("step", "global_step", "train_state.step", "trainer.step", "iteration")
@@ -49,7 +54,7 @@ def step_from_name(url: str) -> int | None:
         m = pat.match(name)
         if m:
             return int(m.group(1) or 0)
-    m = _LIGHTNING_STEP.search(name)
+    m = _LIGHTNING_STEP.search(name) or _ORBAX_TMP_STEP.match(name)
     return int(m.group(1)) if m else None
 
 
@@ -57,7 +62,7 @@ def detect_format(files: dict[str, int]) -> str | None:
     """The format the files of a folder make up, or None."""
     if is_pack(files):  # its data-NNNNN.bin files are no torch.save files
         return "pack"
-    if fw := foreign.format_of(files):  # DeepSpeed, Megatron, Orbax: refused by name
+    if fw := foreign.format_of(files):  # DeepSpeed, Megatron, Orbax
         return fw
     if dcp.is_dcp(files):
         return "dcp"
@@ -151,6 +156,8 @@ def open_checkpoint(url: str, storage_options: dict | None = None, *, strict: bo
         ck = megatron.read_dist(store, files, strict=strict)
     elif fmt == "megatron-legacy":
         ck = megatron_legacy.read_legacy(store, files)
+    elif fmt == "orbax":
+        ck = orbax.read_orbax(store, files)
     elif fmt == "dcp":
         try:
             ck = dcp.read_dcp(store, files, strict=strict)
@@ -446,7 +453,8 @@ def refuse_if_several(url: str, files: dict[str, int]) -> None:
         g = groups[rel]
         listing = {posixpath.basename(rel): g[rel]} if rel in g else \
             {k[len(rel) + 1:]: v for k, v in g.items()}
-        kinds.add(foreign.recognise(listing))
+        kind = foreign.recognise(listing)
+        kinds.add(None if kind and kind.startswith("Orbax") else kind)  # Orbax steps: read
     shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
     where = url.rstrip("/") + "/"
     if None not in kinds:  # a folder of another framework's checkpoints

@@ -1,5 +1,7 @@
 """What is at a place that ckptctl does not open as one checkpoint: another framework's
 layout (DeepSpeed, Megatron-core, Orbax), or a run folder holding several checkpoints.
+The layouts that have a reader (DeepSpeed ZeRO and universal, Megatron-core ``torch_dist``
+and legacy, Orbax step and item folders) are named here and handed to it.
 
 Such a place is refused by name (exit 3 "not a format ckptctl reads: looks like ...",
 exit 2 for a run folder given where one checkpoint is expected), never read in part: a
@@ -242,6 +244,11 @@ def refuse_if_foreign(url: str, files: dict[str, int], store=None,
                     else "names no iteration"
                 raise FormatError(store.display(_MEG_TRACKER), f"{what} (Megatron's resume "
                                   "would fail): name an iteration folder")
+    if name.startswith("Orbax"):  # read: formats/orbax.py (a folder, never one file)
+        if single:
+            raise not_read(url, f"{name}: one file of an Orbax checkpoint; open the step or "
+                           "item folder that holds it")
+        return "orbax"
     if name.startswith("Megatron legacy") and single:
         raise not_read(url, f"{name}: one rank's file; open the iteration folder that holds "
                        "them all")

@@ -243,6 +243,10 @@ def chunk_bytes(ck: Checkpoint, t: TensorEntry, c: Chunk) -> memoryview:
         data = tensor_bytes(ck, t.name)
     elif enc == "raw":
         data = extent_payload(ck, c.extent)
+    elif enc == "zarr":  # an Orbax array's zarr chunk, decoded by tensorstore
+        from .orbax import read_chunk
+
+        data = read_chunk(ck, t, c)
     elif enc == "torch_zip+zstd":
         z = open_zstd_chunk(ck, t, c)
         try:

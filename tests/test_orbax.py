@@ -1,0 +1,296 @@
+"""Orbax checkpoints read without JAX or Orbax (ckptctl/formats/orbax.py, issue 39), against
+the fixtures orbax-checkpoint itself wrote and its own restore (tests/fixtures_orbax.py):
+inspect lists exactly what orbax restores, consolidate to safetensors and reshard to DCP
+give its bytes bit for bit, ls/latest see a CheckpointManager's steps and its saves in
+flight, and a hostile ``_METADATA`` is one line, exit 3."""
+
+import json
+import shutil
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures_orbax import NAMES, TMP_SUFFIX
+
+
+def _one_line(err: str) -> str:
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    return err.strip()
+
+
+def _inspect(cli, path) -> dict:
+    code, out, err = cli("inspect", str(path), "--json")
+    assert code == 0, err
+    return json.loads(out)
+
+
+def _safetensors(path: Path) -> dict:
+    """{name: (safetensors dtype code, shape, raw bytes)} of a safetensors file."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    data = raw[8 + n:]
+    return {k: (v["dtype"], tuple(v["shape"]), data[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in header.items()}
+
+
+def _code(a) -> str:
+    from ckptctl.model import DTYPES
+
+    return DTYPES[a.dtype.name].safetensors
+
+
+# ------------------------------------------------------------------ inspect
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_inspect_lists_what_orbax_restores(orbax_ckpts, cli, name):
+    oracle = orbax_ckpts.oracle(name)
+    places = {orbax_ckpts.item(name), orbax_ckpts.step_dir(name)}
+    if orbax_ckpts.step_dir(name).name.endswith(TMP_SUFFIX):  # its item is finished, it not
+        places.remove(orbax_ckpts.step_dir(name))
+        code, out, err = cli("inspect", str(orbax_ckpts.step_dir(name)), "--json")
+        assert (code, json.loads(out)["error"]["code"]) == (3, "NOT_COMMITTED"), err
+    for where in places:
+        doc = _inspect(cli, where)
+        assert doc["format"] == "orbax"
+        got = {t["name"]: (t["dtype"], tuple(t["shape"])) for t in doc["tensors"]}
+        assert got == {k: (a.dtype.name, a.shape) for k, a in oracle.items()}, where
+        assert doc["num_objects"] == 0
+        assert any("opt_state.1" in n for n in doc["notes"]), doc["notes"]  # EmptyState
+        if name.startswith(("manager", "inflight")):
+            assert (doc["step"], doc["step_source"]) == (int(name.split("-")[1]), "name")
+    parts = {t["name"]: t["part"] for t in doc["tensors"]}
+    assert parts["params.embed.embedding"] == "model" and parts["step"] == "step"
+    assert parts["opt_state.0.mu.embed.embedding"] == "optim" and parts["rng"] == "rng"
+
+
+def test_inspect_tells_the_layouts_apart(orbax_ckpts, cli):
+    want = {"standard": "OCDBT + zarr2", "zarr3": "OCDBT + zarr3", "plain": "zarr2"}
+    for name, origin in want.items():
+        assert _inspect(cli, orbax_ckpts.item(name))["origin"] == origin
+    doc = _inspect(cli, orbax_ckpts.item("manager-20"))
+    emb = next(t for t in doc["tensors"] if t["name"] == "params.embed.embedding")
+    assert (emb["num_chunks"], emb["sharded_dims"]) == (2, [0])  # one zarr chunk per shard
+
+
+# a fresh interpreter: inspect and consolidate, then say which modules were imported
+NO_JAX = r"""
+import json, sys
+from ckptctl.cli.main import main
+
+codes = []
+for args in json.loads(sys.argv[1]):
+    try:
+        main(args)
+    except SystemExit as e:
+        codes.append(e.code)
+print(json.dumps({"codes": codes, "mods": sorted(m for m in sys.modules
+                  if m.split(".")[0] in ("jax", "jaxlib", "orbax", "optax", "flax",
+                                         "tensorstore"))}))
+"""
+
+
+def _run(script: str, *args, env=None) -> tuple[int, dict, str]:
+    p = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                       timeout=120, env=env)
+    last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else "{}"
+    return p.returncode, json.loads(last), p.stderr
+
+
+def test_inspect_and_consolidate_never_import_jax_or_orbax(orbax_ckpts, tmp_path):
+    item = str(orbax_ckpts.item("manager-20"))
+    jobs = [["inspect", item, "--json"],
+            ["consolidate", item, str(tmp_path / "out"), "--to", "safetensors"]]
+    rc, rep, err = _run(NO_JAX, json.dumps(jobs))
+    assert rc == 0 and rep["codes"] == [0, 0], err
+    assert rep["mods"] and {m.split(".")[0] for m in rep["mods"]} == {"tensorstore"}, rep
+
+
+HIDE_TENSORSTORE = r"""
+import sys
+sys.modules["tensorstore"] = None  # as if it were not installed
+""" + NO_JAX
+
+
+def test_without_tensorstore(orbax_ckpts, tmp_path):
+    """OCDBT needs tensorstore even to list the arrays: one line naming the extra, exit 3.
+    A per-array folder's metadata are plain files: inspect works without it."""
+    jobs = [["inspect", str(orbax_ckpts.item("standard"))],
+            ["inspect", str(orbax_ckpts.item("plain"))],
+            ["consolidate", str(orbax_ckpts.item("plain")), str(tmp_path / "o"),
+             "--to", "safetensors"]]
+    rc, rep, err = _run(HIDE_TENSORSTORE, json.dumps(jobs))
+    assert rc == 0 and rep["codes"] == [3, 0, 3], (rep, err)
+    lines = [ln for ln in err.splitlines() if ln.startswith("ckptctl: error:")]
+    assert len(lines) == 2 and all("pip install 'ckptctl[orbax]'" in ln for ln in lines), err
+    assert not (tmp_path / "o").exists()
+
+
+# ------------------------------------------------------------------ data, bit for bit
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_consolidate_to_safetensors_equals_orbax_restore(orbax_ckpts, cli, tmp_path, name):
+    out = tmp_path / "hf"
+    code, _, err = cli("consolidate", str(orbax_ckpts.item(name)), str(out),
+                       "--to", "safetensors")
+    assert code == 0, err
+    got = _safetensors(out / "model.safetensors")
+    oracle = orbax_ckpts.oracle(name)
+    assert sorted(got) == sorted(oracle)
+    for k, a in oracle.items():
+        # raw bytes compared: bf16 as its bits, never through a float conversion
+        assert got[k] == (_code(a), a.shape, a.tobytes()), k
+
+
+def test_consolidate_only_the_model(orbax_ckpts, cli, tmp_path):
+    code, _, err = cli("consolidate", str(orbax_ckpts.step_dir("manager-10")),
+                       str(tmp_path / "m"), "--to", "safetensors", "--only", "model")
+    assert code == 0, err
+    (f,) = (tmp_path / "m").glob("*.safetensors")
+    names = set(_safetensors(f))
+    assert "params.embed.embedding" in names
+    assert not {n for n in names if n.startswith("opt_state") or n in ("step", "rng")}
+
+
+@pytest.mark.parametrize("name", ["manager-20", "zarr3", "plain"])
+def test_reshard_to_dcp_loads_back_as_orbax_restore(orbax_ckpts, cli, tmp_path, name):
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = tmp_path / "dcp"
+    code, _, err = cli("reshard", str(orbax_ckpts.item(name)), str(out), "--world-size", "2")
+    assert code == 0, err
+    assert sorted(p.name for p in out.glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    dcp_to_torch_save(str(out), str(tmp_path / "sd.pt"))
+    sd = torch.load(tmp_path / "sd.pt", weights_only=True)
+    oracle = orbax_ckpts.oracle(name)
+    assert sorted(sd) == sorted(oracle)
+    for k, a in oracle.items():
+        t = sd[k]
+        assert (str(t.dtype).removeprefix("torch."), tuple(t.shape)) == (a.dtype.name, a.shape), k
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        assert raw == a.tobytes(), k
+
+
+# ------------------------------------------------------------------ ls / latest
+
+
+def test_ls_and_latest_of_a_checkpoint_manager(orbax_ckpts, cli):
+    code, out, err = cli("ls", str(orbax_ckpts.manager), "--json")
+    assert code == 0, err
+    rows = [(r["name"], r["step"], r["format"], r["state"])
+            for r in json.loads(out)["checkpoints"]]
+    assert rows == [("10", 10, "orbax", "complete"), ("20", 20, "orbax", "complete")]
+    code, out, err = cli("latest", str(orbax_ckpts.manager))
+    assert code == 0, err
+    assert out.strip().rstrip("/").endswith("manager/20")
+
+
+def test_saves_in_flight_are_incomplete_and_never_latest(orbax_ckpts, cli):
+    root = orbax_ckpts.inflight
+    code, out, err = cli("ls", str(root), "--json")
+    assert code == 0, err
+    rows = {r["name"]: r for r in json.loads(out)["checkpoints"]}
+    assert {n: (r["step"], r["state"]) for n, r in rows.items()} == {
+        "10": (10, "complete"), f"20{TMP_SUFFIX}": (20, "incomplete"),
+        f"30{TMP_SUFFIX}": (30, "incomplete")}
+    assert "NOT_COMMITTED" in rows[f"30{TMP_SUFFIX}"]["reason"]
+    code, out, err = cli("latest", str(root))
+    assert code == 0, err
+    assert out.strip().rstrip("/").endswith("inflight/10")
+    code, out, err = cli("inspect", str(root / f"30{TMP_SUFFIX}"))
+    assert (code, out) == (3, "") and "temporary folder" in _one_line(err)
+
+
+def test_a_manager_root_is_several_checkpoints(orbax_ckpts, cli):
+    code, out, err = cli("inspect", str(orbax_ckpts.manager))
+    assert code == 2 and "holds 2 checkpoints (10, 20)" in _one_line(err)
+
+
+# ------------------------------------------------------------------ hostile input
+
+
+def _copy(orbax_ckpts, name: str, tmp_path: Path) -> Path:
+    dst = tmp_path / name
+    shutil.copytree(orbax_ckpts.item(name), dst)
+    for p in [dst, *dst.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    return dst
+
+
+@pytest.mark.parametrize("bad", ["..", "/etc/passwd", "../../outside"])
+def test_a_hostile_name_in_metadata_is_one_line(orbax_ckpts, cli, tmp_path, bad):
+    item = _copy(orbax_ckpts, "standard", tmp_path)
+    meta = json.loads((item / "_METADATA").read_text())
+    rec = meta["tree_metadata"]["('step',)"]
+    rec["key_metadata"] = [{"key": bad, "key_type": 2}]
+    (item / "_METADATA").write_text(json.dumps(meta))
+    for args in (("inspect", str(item)),
+                 ("consolidate", str(item), str(tmp_path / "out"), "--to", "safetensors")):
+        code, out, err = cli(*args)
+        assert (code, out) == (3, ""), (args, err)
+        line = _one_line(err)
+        assert "_METADATA" in line and "not a plain name inside the checkpoint" in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_absurd_shape_is_one_line(orbax_ckpts, cli, tmp_path):
+    item = _copy(orbax_ckpts, "plain", tmp_path)
+    za = item / "params.embed.embedding" / ".zarray"
+    doc = json.loads(za.read_text())
+    doc["shape"] = [2 ** 40, 2 ** 40]
+    za.write_text(json.dumps(doc))
+    code, out, err = cli("inspect", str(item))
+    assert (code, out) == (3, "") and "absurdly large" in _one_line(err), err
+
+
+def test_a_damaged_chunk_is_one_line_and_a_full_verify_finds_it(orbax_ckpts, cli, tmp_path):
+    item = _copy(orbax_ckpts, "plain", tmp_path)
+    code, out, err = cli("verify", str(item), "--level", "full", "--json")
+    assert code == 0, out  # every chunk decoded; no checksum of Orbax's is checked yet
+    assert json.loads(out)["content"] == "decoded-only"
+    (item / "params.embed.embedding" / "0.0").write_bytes(b"garbage")
+    code, out, err = cli("consolidate", str(item), str(tmp_path / "out"), "--to", "safetensors")
+    assert (code, out) == (3, "") and "params.embed.embedding" in _one_line(err), err
+    assert cli("verify", str(item), "--level", "structure")[0] == 0  # metadata only
+    code, out, err = cli("verify", str(item), "--level", "full", "--json")
+    found = [(p["code"], p["entry"]) for p in json.loads(out)["problems"]]
+    assert (code, found) == (1, [("MALFORMED_CHUNK", "params.embed.embedding")]), out
+
+
+def test_a_link_out_of_the_checkpoint_is_refused(orbax_ckpts, cli, tmp_path):
+    """tensorstore opens chunk files by path: a link leading out of the root is refused
+    before it reads a byte."""
+    item = _copy(orbax_ckpts, "plain", tmp_path)
+    outside = tmp_path / "outside"
+    outside.write_bytes((item / "step" / "0").read_bytes())
+    (item / "step" / "0").unlink()
+    (item / "step" / "0").symlink_to(outside)
+    code, out, err = cli("consolidate", str(item), str(tmp_path / "out"), "--to", "safetensors")
+    assert (code, out) == (3, "") and "link points outside" in _one_line(err), err
+
+
+def test_seal_and_gc_own_every_file_of_a_step(orbax_ckpts, cli, tmp_path):
+    """A step owns what Orbax wrote (metadata, OCDBT trees, ``d/`` data files): sealed, its
+    manifest lists all of them; gc removes a step whole and keeps the newest."""
+    root = tmp_path / "run"
+    shutil.copytree(orbax_ckpts.manager, root)
+    for p in [root, *root.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    on_disk = sorted(str(p.relative_to(root / "20")) for p in (root / "20").rglob("*")
+                     if p.is_file())
+    code, out, err = cli("seal", str(root / "20"))
+    assert code == 0, err
+    listed = json.loads((root / "20" / "ckptctl.manifest.json").read_text())["files"]
+    assert sorted(listed) == on_disk
+    code, out, err = cli("verify", str(root / "20"), "--level", "full", "--json")
+    assert code == 0 and json.loads(out)["content"] == "hashes", out
+    code, out, err = cli("gc", str(root), "--keep-last", "1")
+    assert code == 0, err
+    assert sorted(p.name for p in root.iterdir()) == ["20"]
