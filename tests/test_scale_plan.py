@@ -196,6 +196,7 @@ def test_kept_descriptors_never_serve_another_files_bytes(tmp_path):
     from ckptctl.storage.local_store import MAX_OPEN_FILES
 
     n = MAX_OPEN_FILES * 2 + 7
+    open_before = len(os.listdir("/proc/self/fd"))  # what earlier tests' libraries hold
     for i in range(n):
         (tmp_path / f"f{i}").write_bytes(i.to_bytes(4, "little") * 256)
     store = open_store(str(tmp_path))
@@ -215,7 +216,9 @@ def test_kept_descriptors_never_serve_another_files_bytes(tmp_path):
         th.join()
     store.close()
     assert not bad, bad[:5]
-    assert len(os.listdir("/proc/self/fd")) < MAX_OPEN_FILES  # closed, none leaked
+    # closed, none leaked (a leak keeps up to MAX_OPEN_FILES; a library's own thread
+    # pool may open a few meanwhile)
+    assert len(os.listdir("/proc/self/fd")) - open_before < 16
 
 
 # --------------------------------------------------------------------------- hostile metadata
