@@ -175,8 +175,9 @@ def consolidate(
     to: Optional[str] = typer.Option(None, "--to", metavar="FORMAT",
                                      autocompletion=_consolidate_targets,
                                      help="safetensors (HF layout), torch (torch.save), dcp, "
-                                          "or deepspeed-universal (DeepSpeed resumes it at "
-                                          "any world size). Default: what DST's extension "
+                                          "deepspeed-universal (DeepSpeed resumes it at "
+                                          "any world size), or orbax (a JAX Orbax PyTree "
+                                          "checkpoint). Default: what DST's extension "
                                           "says, else safetensors; an extension --to "
                                           "disagrees with is refused."),
     only: Optional[str] = typer.Option(None, "--only", metavar="PART",
@@ -208,8 +209,8 @@ def consolidate(
     src_option: Optional[List[str]] = SrcOpt,
     dst_option: Optional[List[str]] = DstOpt,
 ):
-    """Write one full tensor per entry (safetensors, torch.save, DCP or a DeepSpeed
-    universal checkpoint), then seal it (a folder: its manifest goes last).
+    """Write one full tensor per entry (safetensors, torch.save, DCP, a DeepSpeed
+    universal checkpoint or Orbax), then seal it (a folder: its manifest goes last).
 
     A folder of safetensors follows the HF convention: model.safetensors, or
     model-00001-of-0000N.safetensors + model.safetensors.index.json; files are named
@@ -229,6 +230,13 @@ def consolidate(
     files for ZeRO-1/2 and ZeRO-3 engines) and then latest_universal beside it, so
     engine.load_checkpoint(PARENT) with "checkpoint": {"load_universal": true} resumes it.
 
+    --to orbax writes DST as a single-host Orbax PyTree checkpoint (OCDBT + zarr3, with
+    _METADATA, _CHECKPOINT_METADATA and commit_success.txt; a local folder, written with
+    tensorstore: pip install 'ckptctl[orbax]'), which Orbax's StandardCheckpointer
+    restores as nested dicts: names split at their dots, every segment a dict key; Python
+    int/float objects become scalars, any other object is refused. It is written under
+    Orbax's temporary name (DST + .orbax-checkpoint-tmp) and renamed into place last.
+
     \b
     EXAMPLES
       ckptctl consolidate ckpt/ hf/ --only model --strip-prefix model.
@@ -239,6 +247,7 @@ def consolidate(
       ckptctl consolidate warm:step-12000 cold:hf-12000 --only model
       ckptctl consolidate fsdp/step-200 ds/global_step200_universal \\
           --to deepspeed-universal
+      ckptctl consolidate fsdp/step-200 jax/step-200 --to orbax --only model
     """
     from ..ops import consolidate as do_consolidate
     from ..writing.distributed import Group

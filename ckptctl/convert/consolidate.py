@@ -33,7 +33,7 @@ from .planner import consolidation_plan, dropped
 from ..units import parse_size
 from .reshard import DEFAULT_MAX_MEMORY
 
-TARGETS = ("safetensors", "torch", "dcp", "deepspeed-universal")
+TARGETS = ("safetensors", "torch", "dcp", "deepspeed-universal", "orbax")
 
 
 @dataclass
@@ -202,7 +202,7 @@ def resolve_target(dst: str, to: str | None) -> str:
         return to
     ext = "." + dst.rstrip("/").rsplit(".", 1)[-1]
     stem = dst.rstrip("/")[:-len(ext)]
-    if to in ("dcp", "deepspeed-universal"):
+    if to in ("dcp", "deepspeed-universal", "orbax"):
         raise UsageError(f"--to {to} writes a folder, not a {ext} file; name a folder "
                          f"(e.g. {stem})", dst)
     want = ".safetensors" if to == "safetensors" else ".pt"
@@ -262,6 +262,10 @@ def consolidate(src: str, dst: str, *, to: str | None = None, only: str | None =
     conv_to = _target_dtype(dtype)
     max_memory = parse_size(max_memory)
     check_torch("consolidate")  # before a byte is read or written (imported only if used)
+    if to == "orbax":
+        from .orbax_write import check_tensorstore
+
+        check_tensorstore()
     ck = open_checkpoint(src, storage_options)
     ck.store.cache_small_files(ck.files)
     tensors, objects, gone = _entries(ck, src, only, drop, unstack_layers)
@@ -291,6 +295,10 @@ def consolidate(src: str, dst: str, *, to: str | None = None, only: str | None =
                                       strip_prefix=strip_prefix, group=group,
                                       max_memory=max_memory, opts=opts, force=force,
                                       on_bytes=on_bytes)
+    if to == "orbax":
+        return _consolidate_orbax(ck, src, dst, tensors, objects, renamed, io, gone, t0,
+                                  group=group, opts=opts, force=force, max_memory=max_memory,
+                                  workers=workers, on_bytes=on_bytes)
     if (to == "torch" or one_file) and group.rank != 0:  # one file: rank 0's, no share
         return ConsolidateResult(src, dst, to, [], len(tensors), len(objects), 0,
                                  round(time.monotonic() - t0, 3), dropped=gone)
@@ -428,6 +436,27 @@ def _consolidate_universal(ck: Checkpoint, src: str, dst: str, tensors: list[str
                              sum(n for _, n in hashes.values()),
                              round(time.monotonic() - t0, 3), mid, dropped=gone,
                              derived=copies)
+
+
+def _consolidate_orbax(ck: Checkpoint, src: str, dst: str, tensors: list[str],
+                       objects: list[str], renamed: dict[str, str], io, gone: list[str],
+                       t0: float, *, group, opts, force: bool, max_memory: int, workers: int,
+                       on_bytes) -> ConsolidateResult:
+    """``--to orbax``: rank 0 writes the single-host Orbax checkpoint
+    (:mod:`~ckptctl.convert.orbax_write`); the others have no share."""
+    to = "orbax"
+    if group.rank != 0:
+        return ConsolidateResult(src, dst, to, [], len(tensors), len(objects), 0,
+                                 round(time.monotonic() - t0, 3), dropped=gone)
+    from .orbax_write import write_orbax
+
+    hashes, mid = write_orbax(ck, dst, tensors=tensors, objects=objects, renamed=renamed,
+                              io=io, opts=opts, force=force, max_memory=max_memory,
+                              workers=workers, on_bytes=on_bytes)
+    return ConsolidateResult(src, dst, to, sorted(hashes), len(tensors), len(objects),
+                             sum(n for _, n in hashes.values()),
+                             round(time.monotonic() - t0, 3), mid,
+                             {k: v for k, v in renamed.items() if k != v}, dropped=gone)
 
 
 @dataclass

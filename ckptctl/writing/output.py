@@ -211,7 +211,7 @@ class OutputDir:
     # ------------------------------------------------------------ lifecycle
     def __enter__(self) -> "OutputDir":
         store = self.store
-        if self.source is not None and _overlap(store, self.single_file, self.source):
+        if self.source is not None and overlaps(store, self.single_file, self.source):
             raise UsageError(f"destination {store.display(self.single_file or '')} overlaps "
                              f"the source {self.source}; choose another place")
         if self.single_file is not None:
@@ -420,14 +420,14 @@ def _remove_empty_dirs(root: str, rel: str) -> None:
         parts.pop()
 
 
-def _overlap(dst: Store, single_file: str | None, source: str) -> bool:
+def overlaps(dst: Store, single_file: str | None, source: str) -> bool:
     """Is the destination (folder, or ``single_file`` in it) the source (a folder or one
     file, a URL), inside it, or around it?
 
     >>> from ckptctl.storage import open_store
-    >>> _overlap(open_store("/r/out"), None, "/r/ck"), _overlap(open_store("/r/ck/hf"), None, "/r/ck")
+    >>> overlaps(open_store("/r/out"), None, "/r/ck"), overlaps(open_store("/r/ck/hf"), None, "/r/ck")
     (False, True)
-    >>> _overlap(open_store("/r"), None, "/r/ck"), _overlap(open_store("/r"), "x.pt", "/r/ck.pt")
+    >>> overlaps(open_store("/r"), None, "/r/ck"), overlaps(open_store("/r"), "x.pt", "/r/ck.pt")
     (True, False)
     """
     from ..storage import split_url
