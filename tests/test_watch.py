@@ -517,7 +517,9 @@ def test_status_shows_plan_figures_from_what_watch_measured(tmp_path):
     (h,) = doc["hops"]
     assert (h["src"], h["dst"], h["bytes"]) == ("hot", "warm", size)
     assert h["bytes_per_second"] == round(rate)  # whole bytes per second, as every verb
-    assert h["drain_seconds"] == pytest.approx(drain_seconds(size, rate))
+    # the plan drains at the rate as stored (whole bytes per second over the hop's
+    # seconds as recorded): within rounding of the exact quotient, whatever the hop took
+    assert h["drain_seconds"] == pytest.approx(drain_seconds(size, rate), rel=1e-3)
     assert h["fits"] is True and doc["all_fit"] is True
     rec = {r["tier"]: r for r in doc["recovery"]}
     # each rate is labelled by the hop it was measured on
