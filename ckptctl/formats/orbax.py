@@ -20,12 +20,24 @@ items prefixes each name with its item (``state.params...``). Leaves without an 
 Each zarr chunk (an OCDBT key, or a file of a per-array folder) is one chunk of the
 logical tensor, of encoding ``zarr``; its bytes are decoded by tensorstore (imported only
 here, only when array metadata or data inside OCDBT is needed: ``pip install
-'ckptctl[orbax]'``). Local folders only so far: an Orbax checkpoint on an object store is
-refused by name.
+'ckptctl[orbax]'``).
+
+On an object store (``s3://``, ``gs://``, ``az://``) the verbs that need no array data
+(``ls``, ``latest``, ``gc``, ``verify --level quick``: :func:`metadata_only`) read a step's
+commit state from its files alone (``_CHECKPOINT_METADATA``, ``commit_success.txt``, the
+temporary suffix, each item's ``_METADATA`` and merged ``manifest.ocdbt``), without
+tensorstore. On ``s3://`` the arrays themselves are read too, through tensorstore's own
+``s3`` kvstore driver (:func:`s3_kvstore`: the endpoint, region and keys ckptctl resolved for
+the place). Elsewhere (``gs://``, ``az://``) anything that reads the arrays (their zarr
+metadata included: inside OCDBT they are keys of the database) is refused by name, one
+line, exit 3.
 
 Commit: a folder named ``<name>.orbax-checkpoint-tmp`` (Orbax renames it into place when the
 save is done), a step whose ``_CHECKPOINT_METADATA`` has no commit time, or an OCDBT item
-without its merged ``manifest.ocdbt`` is a save that did not finish (``NOT_COMMITTED``).
+without its merged ``manifest.ocdbt`` is a save that did not finish (``NOT_COMMITTED``);
+on ``gs://``, where Orbax renames nothing (its ``CommitFileTemporaryPath``: the step is
+written in place and ``commit_success.txt`` is its last file), so is a step folder without
+``commit_success.txt``.
 
 >>> array_name([{"key": "params", "key_type": 2}, {"key": "0", "key_type": 1}], "x/_METADATA")
 'params.0'
@@ -38,6 +50,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import contextvars
 import math
 import posixpath
 import re
@@ -45,7 +58,14 @@ import threading
 import weakref
 
 from .._deps import MissingDependencyError
-from ..errors import FormatError, UnsafeInputError, UnsupportedFormatError, layout_refused
+from ..errors import (
+    CkptError,
+    FormatError,
+    StorageError,
+    UnsafeInputError,
+    UnsupportedFormatError,
+    layout_refused,
+)
 from ..model import DTYPES, Checkpoint, Chunk, DType, Extent, TensorEntry
 from ..storage import Store
 from .limits import MAX_METADATA_BYTES, MAX_NDIM, check_shape, load_json
@@ -168,6 +188,12 @@ def layout_files(files: dict[str, int]) -> set[str]:
 # ------------------------------------------------------------------ tensorstore
 
 
+#: tensorstore's context: a bounded cache, and on s3:// a bounded retry budget (its own
+#: default retries for minutes)
+_CONTEXT = {"cache_pool": {"total_bytes_limit": 64 << 20},
+            "s3_request_retries": {"max_retries": 2, "initial_delay": "0.5s", "max_delay": "4s"}}
+
+
 def _ts(where: str):
     try:
         import tensorstore
@@ -176,6 +202,85 @@ def _ts(where: str):
             raise
         raise MissingDependencyError(where, ORBAX_HINT) from None
     return tensorstore
+
+
+#: arrays on ``s3://`` are read through tensorstore's ``s3`` kvstore (:func:`s3_kvstore`)
+S3_ARRAYS = True
+
+
+def _s3_credentials(cfg: dict) -> dict:
+    """tensorstore's ``aws_credentials`` for obstore-style settings ``cfg``
+    (:func:`~ckptctl.storage.s3_native.s3_config`): anonymous; the environment's keys;
+    keys given outright in ``-o`` options (a private credentials file, 0600, removed at
+    exit: tensorstore takes keys no other way but from the environment, which this
+    process does not change); else its own chain."""
+    if cfg.get("skip_signature"):
+        return {"type": "anonymous"}
+    import os
+
+    key, secret = cfg.get("access_key_id"), cfg.get("secret_access_key")
+    if not key or not secret:
+        return {"type": "default"}
+    token = cfg.get("token")
+    if (os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY"),
+            os.environ.get("AWS_SESSION_TOKEN")) == (key, secret, token):
+        return {"type": "environment"}  # the usual case: no file at all
+    with _CRED_LOCK:
+        path = _CRED_FILES.get((key, secret, token))
+        if path is None:
+            import shutil
+            import tempfile
+
+            # 0700, in memory where there is a tmpfs: a SIGKILL (no atexit) leaves it
+            # in RAM until reboot, never on a disk
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) \
+                else None
+            d = tempfile.mkdtemp(prefix="ckptctl-ts-", dir=shm)
+            if not _CRED_FILES:
+                atexit.register(lambda: [shutil.rmtree(os.path.dirname(f), ignore_errors=True)
+                                         for f in _CRED_FILES.values()])
+            text = f"[ckptctl]\naws_access_key_id = {key}\naws_secret_access_key = {secret}\n"
+            if token:
+                text += f"aws_session_token = {token}\n"
+            for name, body in (("credentials", text), ("config", "[profile ckptctl]\n")):
+                fd = os.open(os.path.join(d, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(body)
+            path = _CRED_FILES[(key, secret, token)] = os.path.join(d, "credentials")
+    return {"type": "profile", "profile": "ckptctl", "credentials_file": path,
+            "config_file": posixpath.join(posixpath.dirname(path), "config")}
+
+
+_CRED_FILES: dict[tuple, str] = {}
+_CRED_LOCK = threading.Lock()
+
+
+def s3_kvstore(store: Store, rel: str = "") -> dict | None:
+    """tensorstore's kvstore spec of the folder ``rel`` of ``store`` (a trailing ``/``):
+    a local path, or on ``s3://`` its ``s3`` driver with the endpoint (path-style), region
+    and credentials ckptctl resolved for the place; None where tensorstore cannot read it.
+
+    >>> from ckptctl.storage import open_store
+    >>> s3_kvstore(open_store("/tmp/run"), "20/default")
+    {'driver': 'file', 'path': '/tmp/run/20/default/'}
+    """
+    if store.is_local:
+        return {"driver": "file", "path": store.local_path(rel).rstrip("/") + "/"}
+    if not S3_ARRAYS or not store.url.startswith(("s3://", "s3a://")):
+        return None
+    from ..storage.s3_native import s3_config
+
+    options = getattr(store, "_options", None)
+    if options is None:  # the fsspec store: the options its filesystem was made with
+        options = dict(getattr(getattr(store, "fs", None), "storage_options", None) or {})
+    cfg = s3_config(options)
+    bucket, _, key = store.full(rel).rstrip("/").partition("/")
+    spec = {"driver": "s3", "bucket": bucket, "path": key + "/" if key else "",
+            "aws_region": cfg.get("region") or "us-east-1",
+            "aws_credentials": _s3_credentials(cfg)}
+    if cfg.get("endpoint"):
+        spec["endpoint"] = cfg["endpoint"]
+    return spec
 
 
 #: every :class:`_Arrays` alive, closed at exit (:func:`_close_all`)
@@ -216,11 +321,11 @@ def _busy(where: str, name: str):
 
 class _Arrays:
     """What reading a checkpoint's arrays needs, kept in ``ck.info["orbax_arrays"]``: per
-    tensor its item folder (local path), zarr driver and key; tensorstore handles opened
-    once each."""
+    tensor its item folder (a tensorstore kvstore spec: :func:`s3_kvstore`), zarr driver
+    and key; tensorstore handles opened once each."""
 
     def __init__(self):
-        self.where: dict[str, tuple[str, str, bool, str]] = {}  # name -> (dir, driver, ocdbt, key)
+        self.where: dict[str, tuple[dict, str, bool, str]] = {}  # name -> (base, driver, ocdbt, key)
         self.handles: dict[str, object] = {}
         self.lock = threading.Lock()
         self.context = None
@@ -234,11 +339,11 @@ class _Arrays:
             self.context = None
 
     def spec(self, name: str) -> dict:
-        root, driver, ocdbt, key = self.where[name]
+        base, driver, ocdbt, key = self.where[name]
         if ocdbt:
-            kv = {"driver": "ocdbt", "base": f"file://{root}/", "path": f"{key}/"}
+            kv = {"driver": "ocdbt", "base": base, "path": f"{key}/"}
         else:
-            kv = {"driver": "file", "path": f"{root}/{key}/"}
+            kv = {**base, "path": f"{base['path']}{key}/"}
         return {"driver": driver, "kvstore": kv, "open": True,
                 "recheck_cached_data": False, "recheck_cached_metadata": False}
 
@@ -248,20 +353,51 @@ class _Arrays:
             if h is None:
                 ts = _ts(where)
                 if self.context is None:
-                    self.context = ts.Context({"cache_pool": {"total_bytes_limit": 64 << 20}})
+                    self.context = ts.Context(_CONTEXT)
                 try:
                     with _busy(where, name):
                         h = ts.open(self.spec(name), read=True, context=self.context).result()
                 except FormatError:
                     raise
                 except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError & co
-                    raise FormatError(where, f"{name}: {_first_line(e)}") from None
+                    raise _ts_error(e, where, name) from None
                 self.handles[name] = h
             return h
 
 
 def _first_line(e: Exception) -> str:
     return (str(e).splitlines() or [type(e).__name__])[0][:300]
+
+
+_RANGE = re.compile(r"Requested byte range \[(\d+), (\d+)\) is not valid for value of size "
+                    r"(\d+)")
+#: tensorstore's status words that say the place, not the bytes, failed
+_IO_STATUS = ("UNAVAILABLE", "PERMISSION_DENIED", "UNAUTHENTICATED", "DEADLINE_EXCEEDED",
+              "RESOURCE_EXHAUSTED", "ABORTED")
+
+
+def _ts_error(e: Exception, where: str, what: str, code: str | None = None) -> CkptError:
+    """A tensorstore failure as one line: the server or the connection (exit 3, never a
+    finding about the checkpoint), else what the bytes are (``FormatError``, ``code``).
+    A ranged read answered with as many bytes as were asked, taken for the whole value,
+    is a server that sends HTTP 200 instead of 206 to a Range request (``rclone serve
+    s3`` does): tensorstore cannot read through it.
+
+    >>> e = ValueError('OUT_OF_RANGE: Error reading "w/0" in OCDBT database at "r/": '
+    ...                "Requested byte range [100, 150) is not valid for value of size 50")
+    >>> type(_ts_error(e, "x", "w")).__name__, type(_ts_error(ValueError("DATA_LOSS: x"), "x",
+    ...                                                  "w")).__name__
+    ('StorageError', 'FormatError')
+    """
+    line = _first_line(e)
+    m = _RANGE.search(line)
+    if m and int(m.group(1)) > 0 and int(m.group(3)) == int(m.group(2)) - int(m.group(1)):
+        return StorageError(where, f"{what}: the server answered a ranged read with the "
+                            "whole-object status (HTTP 200, not 206; rclone serve s3 does), "
+                            f"which tensorstore cannot read through: {line}")
+    if line.startswith(_IO_STATUS):
+        return StorageError(where, f"{what}: {line}")
+    return FormatError(where, f"{what}: {line}", code=code)
 
 
 def read_chunk(ck: Checkpoint, t: TensorEntry, c: Chunk) -> memoryview:
@@ -277,8 +413,7 @@ def read_chunk(ck: Checkpoint, t: TensorEntry, c: Chunk) -> memoryview:
         try:
             a = h[box].read().result() if box else h.read().result()
         except Exception as e:  # noqa: BLE001
-            raise FormatError(where, f"{t.name}: {_first_line(e)}",
-                              code="MALFORMED_CHUNK") from None
+            raise _ts_error(e, where, t.name, "MALFORMED_CHUNK") from None
     import numpy as np
 
     a = np.asarray(a, order="C")  # ascontiguousarray would make a scalar 1-d
@@ -382,10 +517,32 @@ def _item_dirs(store: Store, files: dict[str, int]) -> list[str]:
 
 
 def _remote(store: Store) -> UnsupportedFormatError:
-    """The refusal of an Orbax checkpoint that is not a local folder (tensorstore is opened
-    on local paths only so far); by name, so ``ls`` lists it ``unknown`` and gc keeps it."""
-    return layout_refused(store.url, "Orbax on an object store (this reader reads local "
-                          "folders only so far)", "Orbax")
+    """The refusal of reading an Orbax checkpoint's arrays (their zarr metadata or data)
+    where tensorstore is not opened (:func:`s3_kvstore`: local folders and ``s3://`` so
+    far); by name, one line, exit 3. What needs no array (:func:`metadata_only`) is read
+    there."""
+    return layout_refused(store.url, "Orbax arrays on an object store (their metadata and "
+                          "data are read from local folders and s3:// only so far; ls, latest, "
+                          "gc and verify --level quick work here)", "Orbax")
+
+
+#: set by :func:`metadata_only`: read a remote Orbax checkpoint's commit state, no array
+_METADATA_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("orbax_metadata_only",
+                                                                      default=False)
+
+
+@contextlib.contextmanager
+def metadata_only(on: bool = True):
+    """Within it (in this thread), :func:`read_orbax` of a checkpoint on an object store
+    reads its step and commit state only: no array is listed (``ck.tensors`` stays empty,
+    ``ck.info["orbax_arrays_unread"]`` says so) instead of refusing it. For the checks
+    that judge a checkpoint by its files (``verify --level quick``, and so ``ls``,
+    ``latest`` and ``gc``); a local folder is read whole either way."""
+    token = _METADATA_ONLY.set(bool(on))
+    try:
+        yield
+    finally:
+        _METADATA_ONLY.reset(token)
 
 
 def read_orbax(store: Store, files: dict[str, int]) -> Checkpoint:
@@ -413,6 +570,10 @@ def read_orbax(store: Store, files: dict[str, int]) -> Checkpoint:
             raise FormatError(store.display(STEP_METADATA), "no commit time: the Orbax save "
                               "did not finish", code="NOT_COMMITTED")
         ck.info["orbax_step_metadata"] = meta
+        if store.url.startswith("gs://") and COMMIT_FILE not in files:
+            raise FormatError(store.display(COMMIT_FILE), "missing: on gs:// Orbax writes it "
+                              "last, when the save is done (the save did not finish)",
+                              code="NOT_COMMITTED")
     items = _item_dirs(store, files)
     others = sorted({f.split("/", 1)[0] for f in files if "/" in f} - set(items)) \
         if items != [""] else []
@@ -431,18 +592,25 @@ def read_orbax(store: Store, files: dict[str, int]) -> Checkpoint:
         ck.step, ck.info["step_source"] = step, "name"
     arrays = _Arrays()
     ck.info["orbax_arrays"] = arrays
+    shallow = not store.is_local and _METADATA_ONLY.get()
     kinds = set()
     for item in items:
-        kinds.add(_read_item(ck, store, files, item, len(items) > 1, arrays, notes))
+        kinds.add(_read_item(ck, store, files, item, len(items) > 1, arrays, notes,
+                             shallow=shallow))
     ck.info["origin"] = ", ".join(sorted(kinds))
-    if not store.is_local and ck.tensors:
+    if shallow:
+        ck.info["orbax_arrays_unread"] = True
+        notes.append("arrays not read (on an object store only the commit state is read: "
+                      "steps, commit markers, _METADATA, the merged manifest.ocdbt)")
+    elif ck.tensors and s3_kvstore(store) is None:
         raise _remote(store)
     return ck
 
 
 def _read_item(ck: Checkpoint, store: Store, files: dict[str, int], item: str, prefix: bool,
-               arrays: _Arrays, notes: list[str]) -> str:
-    """Add one item's arrays to ``ck``; returns the item's layout (``OCDBT + zarr3``)."""
+               arrays: _Arrays, notes: list[str], *, shallow: bool = False) -> str:
+    """Add one item's arrays to ``ck``; returns the item's layout (``OCDBT + zarr3``).
+    ``shallow``: check its ``_METADATA`` and commit state only, add no array."""
     join = (lambda r: f"{item}/{r}") if item else (lambda r: r)
     mrel = join(ITEM_METADATA)
     where = store.display(mrel)
@@ -470,13 +638,17 @@ def _read_item(ck: Checkpoint, store: Store, files: dict[str, int], item: str, p
             raise layout_refused(where, f"Orbax leaf {key} of value_type {vtype!r} (arrays "
                                  "and scalars are read; this is neither)", "Orbax")
         names.append((key, f"{item}.{key}" if prefix else key))
+    layout = ("OCDBT + " if ocdbt else "") + ("zarr3" if zarr3 else "zarr2")
+    if shallow:
+        ck.info["orbax_leaves"] = ck.info.get("orbax_leaves", 0) + len(names)
+        return layout
     if skipped:
         notes.append(f"{len(skipped)} leaf/leaves without an array (value_type None, e.g. "
                      f"optax EmptyState) left out: {', '.join(sorted(skipped)[:5])}"
                      + (", ..." if len(skipped) > 5 else ""))
     mname = "zarr.json" if zarr3 else ".zarray"
     docs = _metadata_docs(store, files, item, [k for k, _ in names], mname, ocdbt)
-    root = store.local_path(item) if store.is_local else None
+    base = s3_kvstore(store, item) if names else None
     for key, name in names:
         if name in ck.tensors:
             raise FormatError(where, f"{name}: two leaves of the same name")
@@ -489,9 +661,8 @@ def _read_item(ck: Checkpoint, store: Store, files: dict[str, int], item: str, p
             n = files.get(rel, dtype.nbytes(math.prod(sizes)))
             t.chunks.append(Chunk(offs, sizes, Extent(rel, 0, n, ENCODING)))
         ck.tensors[name] = t
-        arrays.where[name] = (root.rstrip("/") if root else "", "zarr3" if zarr3 else "zarr",
-                              ocdbt, key)
-    return ("OCDBT + " if ocdbt else "") + ("zarr3" if zarr3 else "zarr2")
+        arrays.where[name] = (base, "zarr3" if zarr3 else "zarr", ocdbt, key)
+    return layout
 
 
 def _metadata_docs(store: Store, files: dict[str, int], item: str, keys: list[str],
@@ -511,17 +682,17 @@ def _metadata_docs(store: Store, files: dict[str, int], item: str, keys: list[st
     if not keys:
         return {}
     where = store.display(join(OCDBT_MANIFEST))
-    if not store.is_local:
+    base = s3_kvstore(store, item)
+    if base is None:
         raise _remote(store)
     ts = _ts(where)
-    root = store.local_path(item).rstrip("/")
     try:
-        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{root}/"}).result()
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": base},
+                             context=ts.Context(_CONTEXT)).result()
         futures = {k: kv.read(f"{k}/{mname}") for k in keys}
         results = {k: f.result() for k, f in futures.items()}
     except Exception as e:  # noqa: BLE001 - tensorstore raises ValueError & co
-        raise FormatError(where, f"the OCDBT database cannot be read: {_first_line(e)}") \
-            from None
+        raise _ts_error(e, where, "the OCDBT database cannot be read") from None
     out = {}
     for k, r in results.items():
         if r.state != "value":
