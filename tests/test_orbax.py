@@ -294,3 +294,25 @@ def test_seal_and_gc_own_every_file_of_a_step(orbax_ckpts, cli, tmp_path):
     code, out, err = cli("gc", str(root), "--keep-last", "1")
     assert code == 0, err
     assert sorted(p.name for p in root.iterdir()) == ["20"]
+
+
+def test_a_flipped_byte_in_a_sealed_steps_data_is_found(orbax_ckpts, cli, tmp_path):
+    """Orbax's zstd chunks carry no checksum (OCDBT's crc32c covers its tree nodes only),
+    so an unsealed step's flipped data byte may decode to other values: verify says
+    ``decoded-only``, never more. Sealed, every file has its hash: the flip is found."""
+    step = tmp_path / "20"
+    shutil.copytree(orbax_ckpts.step_dir("manager-20"), step)
+    for p in [step, *step.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    code, out, err = cli("verify", str(step), "--level", "full", "--json")
+    assert code == 0 and json.loads(out)["content"] == "decoded-only", out + err
+    assert cli("seal", str(step))[0] == 0
+    data = max((p for p in step.rglob("*") if p.is_file() and "/d/" in str(p)),
+               key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 3] ^= 0x10
+    data.write_bytes(bytes(raw))
+    code, out, err = cli("verify", str(step), "--level", "full", "--json")
+    doc = json.loads(out)
+    assert code == 1 and doc["content"] == "hashes", out + err
+    assert [p["code"] for p in doc["problems"]] == ["HASH_MISMATCH"], out
