@@ -316,3 +316,33 @@ def test_a_flipped_byte_in_a_sealed_steps_data_is_found(orbax_ckpts, cli, tmp_pa
     doc = json.loads(out)
     assert code == 1 and doc["content"] == "hashes", out + err
     assert [p["code"] for p in doc["problems"]] == ["HASH_MISMATCH"], out
+
+
+def test_a_pack_of_a_step_unpacks_byte_for_byte_and_says_why_it_is_not_read_in_place(
+        orbax_ckpts, cli, tmp_path):
+    """pack stores an Orbax step's files losslessly (they are zstd already: little
+    gain); tensorstore reads files, so the pack is unpacked before its arrays are read."""
+    step = tmp_path / "20"
+    shutil.copytree(orbax_ckpts.step_dir("manager-20"), step)
+    for p in [step, *step.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    assert cli("pack", str(step), str(tmp_path / "cold"))[0] == 0
+    code, out, err = cli("inspect", str(tmp_path / "cold"))
+    assert (code, out) == (3, "") and "unpack it first" in _one_line(err)
+    assert cli("unpack", str(tmp_path / "cold"), str(tmp_path / "back"))[0] == 0
+    for p in step.rglob("*"):
+        if p.is_file():
+            assert (tmp_path / "back" / p.relative_to(step)).read_bytes() == p.read_bytes()
+    code, out, err = cli("diff", str(step), str(tmp_path / "back"))
+    assert code == 0, out + err
+
+
+def test_diff_against_its_pytorch_export(orbax_ckpts, cli, tmp_path):
+    """A step and its safetensors export compare identical; with the export's names
+    renamed (an HF-style export without the ``params.`` prefix) through ``--map``."""
+    item = orbax_ckpts.item("manager-20")
+    hf = tmp_path / "hf"
+    assert cli("consolidate", str(item), str(hf), "--to", "safetensors", "--only", "model",
+               "--strip-prefix", "params.")[0] == 0
+    code, out, err = cli("diff", str(item), str(hf), "--map", "params.=", "--only", "model")
+    assert code == 0 and out.startswith("identical"), out + err

@@ -521,6 +521,9 @@ def _remote(store: Store) -> UnsupportedFormatError:
     where tensorstore is not opened (:func:`s3_kvstore`: local folders and ``s3://`` so
     far); by name, one line, exit 3. What needs no array (:func:`metadata_only`) is read
     there."""
+    if type(store).__name__ == "PackStore":  # tensorstore reads files, not a pack's chunks
+        return layout_refused(store.url, "Orbax arrays in a pack (tensorstore reads them "
+                              "from files: unpack it first)", "Orbax")
     return layout_refused(store.url, "Orbax arrays on an object store (their metadata and "
                           "data are read from local folders and s3:// only so far; ls, latest, "
                           "gc and verify --level quick work here)", "Orbax")
