@@ -111,6 +111,16 @@ def test_inspect_and_consolidate_never_import_jax_or_orbax(orbax_ckpts, tmp_path
     assert rep["mods"] and {m.split(".")[0] for m in rep["mods"]} == {"tensorstore"}, rep
 
 
+def test_ls_latest_and_a_quick_verify_never_import_tensorstore(orbax_ckpts):
+    """They judge a step by its files (commit time, markers, _METADATA): tensorstore's
+    import alone is 0.6 s."""
+    root, step = str(orbax_ckpts.manager), str(orbax_ckpts.step_dir("manager-20"))
+    jobs = [["ls", root, "--json"], ["latest", root], ["verify", step, "--level", "quick"]]
+    rc, rep, err = _run(NO_JAX, json.dumps(jobs))
+    assert rc == 0 and rep["codes"] == [0, 0, 0], err
+    assert not rep["mods"], rep
+
+
 HIDE_TENSORSTORE = r"""
 import sys
 sys.modules["tensorstore"] = None  # as if it were not installed
