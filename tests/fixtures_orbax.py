@@ -156,3 +156,17 @@ def orbax_ckpts() -> OrbaxCkpts:
         pytest.skip(f"the Orbax fixtures need {', '.join(lacking)} (pip install jax==0.10.2 "
                     "orbax-checkpoint==0.12.8 optax==0.2.8 tensorstore==0.1.86)")
     return OrbaxCkpts(ensure_cache(CACHE, cache_key(), generate))
+
+
+def safetensors_entries(path) -> dict:
+    """{name: (safetensors dtype code, shape, raw bytes)} of a safetensors file: what the
+    Orbax tests compare with an oracle, bit for bit."""
+    import struct
+
+    raw = Path(path).read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header.pop("__metadata__", None)
+    data = raw[8 + n:]
+    return {k: (v["dtype"], tuple(v["shape"]), data[v["data_offsets"][0]:v["data_offsets"][1]])
+            for k, v in header.items()}

@@ -6,14 +6,13 @@ flight, and a hostile ``_METADATA`` is one line, exit 3."""
 
 import json
 import shutil
-import struct
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from fixtures_orbax import NAMES, TMP_SUFFIX
+from fixtures_orbax import NAMES, TMP_SUFFIX, safetensors_entries
 
 
 def _one_line(err: str) -> str:
@@ -25,17 +24,6 @@ def _inspect(cli, path) -> dict:
     code, out, err = cli("inspect", str(path), "--json")
     assert code == 0, err
     return json.loads(out)
-
-
-def _safetensors(path: Path) -> dict:
-    """{name: (safetensors dtype code, shape, raw bytes)} of a safetensors file."""
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    header.pop("__metadata__", None)
-    data = raw[8 + n:]
-    return {k: (v["dtype"], tuple(v["shape"]), data[v["data_offsets"][0]:v["data_offsets"][1]])
-            for k, v in header.items()}
 
 
 def _code(a) -> str:
@@ -150,7 +138,7 @@ def test_consolidate_to_safetensors_equals_orbax_restore(orbax_ckpts, cli, tmp_p
     code, _, err = cli("consolidate", str(orbax_ckpts.item(name)), str(out),
                        "--to", "safetensors")
     assert code == 0, err
-    got = _safetensors(out / "model.safetensors")
+    got = safetensors_entries(out / "model.safetensors")
     oracle = orbax_ckpts.oracle(name)
     assert sorted(got) == sorted(oracle)
     for k, a in oracle.items():
@@ -163,7 +151,7 @@ def test_consolidate_only_the_model(orbax_ckpts, cli, tmp_path):
                        str(tmp_path / "m"), "--to", "safetensors", "--only", "model")
     assert code == 0, err
     (f,) = (tmp_path / "m").glob("*.safetensors")
-    names = set(_safetensors(f))
+    names = set(safetensors_entries(f))
     assert "params.embed.embedding" in names
     assert not {n for n in names if n.startswith("opt_state") or n in ("step", "rng")}
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
-from fixtures_orbax import TMP_SUFFIX
+from fixtures_orbax import TMP_SUFFIX, safetensors_entries
 
 REFUSED = "Orbax arrays on an object store"
 
@@ -149,18 +149,6 @@ def _tree(root: Path) -> dict[str, bytes]:
 # ------------------------------------------------------------------ arrays on s3://
 
 
-def _safetensors(path: Path) -> dict:
-    import struct
-
-    raw = path.read_bytes()
-    (n,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + n])
-    header.pop("__metadata__", None)
-    data = raw[8 + n:]
-    return {k: (v["dtype"], tuple(v["shape"]), data[v["data_offsets"][0]:v["data_offsets"][1]])
-            for k, v in header.items()}
-
-
 @pytest.mark.parametrize("name", ["manager-20", "zarr3", "plain"])
 def test_orbax_arrays_on_s3(orbax_ckpts, cli, moto_bucket, tmp_path, name):
     """inspect and consolidate read the arrays through tensorstore's s3 driver (moto):
@@ -179,7 +167,7 @@ def test_orbax_arrays_on_s3(orbax_ckpts, cli, moto_bucket, tmp_path, name):
     out_dir = tmp_path / "hf"
     code, _, err = cli("consolidate", url, str(out_dir), "--to", "safetensors", *opts)
     assert code == 0, err
-    got = _safetensors(out_dir / "model.safetensors")
+    got = safetensors_entries(out_dir / "model.safetensors")
     assert sorted(got) == sorted(oracle)
     for k, a in oracle.items():
         assert got[k] == (DTYPES[a.dtype.name].safetensors, a.shape, a.tobytes()), k
