@@ -344,3 +344,46 @@ def test_diff_against_its_pytorch_export(orbax_ckpts, cli, tmp_path):
                "--strip-prefix", "params.")[0] == 0
     code, out, err = cli("diff", str(item), str(hf), "--map", "params.=", "--only", "model")
     assert code == 0 and out.startswith("identical"), out + err
+
+
+@pytest.mark.parametrize("cut", ["manifest", "data"])
+def test_a_truncated_ocdbt_file_is_one_line(orbax_ckpts, cli, tmp_path, cut):
+    """Half of the merged manifest, or of the largest data file: one line, exit 3 (the
+    manifest's own length check, the value past the end of the file); full verify
+    reports it as a problem."""
+    step = tmp_path / "20"
+    shutil.copytree(orbax_ckpts.step_dir("manager-20"), step)
+    for p in [step, *step.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    victim = step / "default" / "manifest.ocdbt" if cut == "manifest" else max(
+        (step / "default").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[:victim.stat().st_size // 2])
+    code, out, err = cli("consolidate", str(step), str(tmp_path / "out"), "--to", "safetensors")
+    assert (code, out) == (3, "") and "OCDBT" in _one_line(err), err
+    assert not (tmp_path / "out").exists()
+    code, out, err = cli("verify", str(step), "--level", "full", "--json")
+    assert code == 1 and json.loads(out)["problems"], out + err
+
+
+def test_a_zstd_bomb_in_a_chunk_is_one_line_in_bounded_memory(orbax_ckpts, tmp_path):
+    """A chunk that inflates to 2 GiB where its array declares 2 KiB: tensorstore decodes
+    into the declared chunk and stops there."""
+    import zstandard
+
+    item = _copy(orbax_ckpts, "plain", tmp_path)
+    z, zeros = zstandard.ZstdCompressor(level=3).compressobj(), bytes(1 << 20)
+    bomb = b"".join(z.compress(zeros) for _ in range(2048)) + z.flush()  # 2 GiB of zeros
+    (item / "params.embed.embedding" / "0.0").write_bytes(bomb)
+    p = subprocess.run([sys.executable, "-c", RSS_OF, "consolidate", str(item),
+                        str(tmp_path / "out"), "--to", "safetensors"],
+                       capture_output=True, text=True, timeout=300)
+    code, peak_kib = (int(x) for x in p.stdout.split())
+    assert code == 3 and "params.embed.embedding" in _one_line(p.stderr), p.stderr
+    assert peak_kib < 600 << 10, peak_kib  # far below the 2 GiB it would inflate to
+
+
+RSS_OF = r"""
+import resource, subprocess, sys
+p = subprocess.run([sys.executable, "-m", "ckptctl", *sys.argv[1:]], stderr=sys.stderr)
+print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
+"""
