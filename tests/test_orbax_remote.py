@@ -3,9 +3,10 @@ the verbs that need no array data judge a CheckpointManager root by its files al
 s3:// (moto) and gs:// (fake-gcs-server) -- steps, commit states, latest, gc of whole
 steps, verify --level quick -- and promote carries a local Orbax step there and back byte
 for byte. On s3:// the arrays are read through tensorstore's own s3 driver (inspect,
-consolidate bit for bit against Orbax's restore, seal, verify --level full); on gs://
-reading them is refused by name, one line, exit 3; an S3 server that answers ranged reads
-with HTTP 200 (rclone serve s3) is an I/O error, never a finding."""
+consolidate bit for bit against Orbax's restore, seal, verify --level full), on gs://
+through its gcs driver pointed at the emulator; on az:// reading them is refused by name,
+one line, exit 3; an S3 server that answers ranged reads with HTTP 200 (rclone serve s3)
+is an I/O error, never a finding."""
 
 import json
 from pathlib import Path
@@ -73,10 +74,31 @@ def test_verify_quick_judges_by_the_files(orbax_ckpts, cli, place):
     assert (code, doc["ok"], doc["format"], doc["step"]) == (0, True, "orbax", 20), out + err
 
 
-def test_array_reads_on_gcs_are_refused_by_name(orbax_ckpts, cli, gcs_bucket, tmp_path):
-    """gs:// has no tensorstore path yet (s3:// has: test_orbax_arrays_on_s3)."""
+def test_orbax_arrays_on_gcs(orbax_ckpts, cli, gcs_bucket, tmp_path):
+    """inspect and consolidate read the arrays through tensorstore's gcs driver, pointed
+    at the emulator STORAGE_EMULATOR_HOST names: what Orbax's own restore gives."""
+    from ckptctl.model import DTYPES
+
     gcs_bucket.upload(orbax_ckpts.manager, "run")
     url = gcs_bucket.url("run/20")
+    oracle = orbax_ckpts.oracle("manager-20")
+    code, out, err = cli("inspect", url, "--json")
+    assert code == 0, err
+    got = {t["name"]: (t["dtype"], tuple(t["shape"])) for t in json.loads(out)["tensors"]}
+    assert got == {k: (a.dtype.name, a.shape) for k, a in oracle.items()}
+    code, _, err = cli("consolidate", url, str(tmp_path / "hf"), "--to", "safetensors")
+    assert code == 0, err
+    got = safetensors_entries(tmp_path / "hf" / "model.safetensors")
+    assert sorted(got) == sorted(oracle)
+    for k, a in oracle.items():
+        assert got[k] == (DTYPES[a.dtype.name].safetensors, a.shape, a.tobytes()), k
+
+
+def test_array_reads_on_azure_are_refused_by_name(orbax_ckpts, cli, az_container, tmp_path):
+    """az:// has no tensorstore driver: what reads arrays is refused, one line, exit 3,
+    nothing written; ls still judges the steps by their files."""
+    az_container.upload(orbax_ckpts.manager, "run")
+    url = az_container.url("run/20")
     for args in (("inspect", url), ("verify", url, "--level", "structure"),
                  ("verify", url, "--level", "full"), ("seal", url),
                  ("consolidate", url, str(tmp_path / "out"), "--to", "safetensors")):
@@ -84,7 +106,8 @@ def test_array_reads_on_gcs_are_refused_by_name(orbax_ckpts, cli, gcs_bucket, tm
         assert (code, out) == (3, ""), (args, err)
         assert REFUSED in _one_line(err), err
     assert not (tmp_path / "out").exists()
-    assert "run/20/ckptctl.manifest.json" not in gcs_bucket.list("run")
+    assert "run/20/ckptctl.manifest.json" not in az_container.list("run")
+    assert set(_ls(cli, az_container.url("run"), [])) == {"10", "20"}
 
 
 def test_an_unfinished_step_on_gcs_has_no_commit_file(orbax_ckpts, cli, gcs_bucket):

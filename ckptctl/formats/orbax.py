@@ -26,11 +26,13 @@ The verbs that need no array data (``ls``, ``latest``, ``gc``, ``verify --level 
 :func:`metadata_only`) read a step's commit state from its files alone
 (``_CHECKPOINT_METADATA``, ``commit_success.txt``, the temporary suffix, each item's
 ``_METADATA`` and merged ``manifest.ocdbt``), without tensorstore (its import alone is
-0.6 s): locally and on an object store (``s3://``, ``gs://``, ``az://``). On ``s3://`` the arrays themselves are read too, through tensorstore's own
-``s3`` kvstore driver (:func:`s3_kvstore`: the endpoint, region and keys ckptctl resolved for
-the place). Elsewhere (``gs://``, ``az://``) anything that reads the arrays (their zarr
-metadata included: inside OCDBT they are keys of the database) is refused by name, one
-line, exit 3.
+0.6 s): locally and on an object store (``s3://``, ``gs://``, ``az://``). On ``s3://``
+and ``gs://`` the arrays themselves are read too, through tensorstore's own ``s3`` and
+``gcs`` kvstore drivers (:func:`kvstore_spec`: the endpoint, region and keys ckptctl
+resolved for the place; Google's default credentials, or the emulator
+``STORAGE_EMULATOR_HOST`` names). Elsewhere (``az://``, a pack) anything that reads the
+arrays (their zarr metadata included: inside OCDBT they are keys of the database) is
+refused by name, one line, exit 3.
 
 Commit: a folder named ``<name>.orbax-checkpoint-tmp`` (Orbax renames it into place when the
 save is done), a step whose ``_CHECKPOINT_METADATA`` has no commit time, or an OCDBT item
@@ -204,8 +206,6 @@ def _ts(where: str):
     return tensorstore
 
 
-#: arrays on ``s3://`` are read through tensorstore's ``s3`` kvstore (:func:`s3_kvstore`)
-S3_ARRAYS = True
 
 
 def _s3_credentials(cfg: dict) -> dict:
@@ -255,18 +255,24 @@ _CRED_FILES: dict[tuple, str] = {}
 _CRED_LOCK = threading.Lock()
 
 
-def s3_kvstore(store: Store, rel: str = "") -> dict | None:
+def kvstore_spec(store: Store, rel: str = "") -> dict | None:
     """tensorstore's kvstore spec of the folder ``rel`` of ``store`` (a trailing ``/``):
-    a local path, or on ``s3://`` its ``s3`` driver with the endpoint (path-style), region
-    and credentials ckptctl resolved for the place; None where tensorstore cannot read it.
+    a local path; on ``s3://`` its ``s3`` driver with the endpoint (path-style), region
+    and credentials ckptctl resolved for the place; on ``gs://`` its ``gcs`` driver
+    (:func:`_gcs_emulator`); None where tensorstore cannot read it.
 
     >>> from ckptctl.storage import open_store
-    >>> s3_kvstore(open_store("/tmp/run"), "20/default")
+    >>> kvstore_spec(open_store("/tmp/run"), "20/default")
     {'driver': 'file', 'path': '/tmp/run/20/default/'}
     """
     if store.is_local:
         return {"driver": "file", "path": store.local_path(rel).rstrip("/") + "/"}
-    if not S3_ARRAYS or not store.url.startswith(("s3://", "s3a://")):
+    bucket, _, key = store.full(rel).rstrip("/").partition("/")
+    path = key + "/" if key else ""
+    if store.url.startswith(("gs://", "gcs://")):
+        _gcs_emulator()
+        return {"driver": "gcs", "bucket": bucket, "path": path}
+    if not store.url.startswith(("s3://", "s3a://")):
         return None
     from ..storage.s3_native import s3_config
 
@@ -274,13 +280,36 @@ def s3_kvstore(store: Store, rel: str = "") -> dict | None:
     if options is None:  # the fsspec store: the options its filesystem was made with
         options = dict(getattr(getattr(store, "fs", None), "storage_options", None) or {})
     cfg = s3_config(options)
-    bucket, _, key = store.full(rel).rstrip("/").partition("/")
-    spec = {"driver": "s3", "bucket": bucket, "path": key + "/" if key else "",
+    spec = {"driver": "s3", "bucket": bucket, "path": path,
             "aws_region": cfg.get("region") or "us-east-1",
             "aws_credentials": _s3_credentials(cfg)}
     if cfg.get("endpoint"):
         spec["endpoint"] = cfg["endpoint"]
     return spec
+
+
+def _gcs_emulator() -> None:
+    """Point tensorstore's ``gcs`` driver where ckptctl's GCS place points: with
+    ``STORAGE_EMULATOR_HOST`` (an emulator, read anonymously as gcsfs does here) its
+    ``TENSORSTORE_GCS_HTTP_URL``, and a placeholder bearer token the emulator does not
+    check (tensorstore would otherwise look for Google credentials, up to the metadata
+    server). A value the user set is kept; one set here follows the emulator variable
+    (tensorstore reads both at each open). Without the emulator variable tensorstore
+    finds Google's default credentials (``GOOGLE_APPLICATION_CREDENTIALS``...) itself."""
+    import os
+
+    host = os.environ.get("STORAGE_EMULATOR_HOST")
+    if not host:
+        return
+    want = {"TENSORSTORE_GCS_HTTP_URL": (host if "://" in host else f"http://{host}").rstrip("/"),
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING": "anonymous"}
+    for name, value in want.items():
+        if os.environ.get(name) in (None, _GCS_SET.get(name)):
+            os.environ[name] = _GCS_SET[name] = value
+
+
+#: the tensorstore variables :func:`_gcs_emulator` set, and to what
+_GCS_SET: dict[str, str] = {}
 
 
 #: every :class:`_Arrays` alive, closed at exit (:func:`_close_all`)
@@ -321,7 +350,7 @@ def _busy(where: str, name: str):
 
 class _Arrays:
     """What reading a checkpoint's arrays needs, kept in ``ck.info["orbax_arrays"]``: per
-    tensor its item folder (a tensorstore kvstore spec: :func:`s3_kvstore`), zarr driver
+    tensor its item folder (a tensorstore kvstore spec: :func:`kvstore_spec`), zarr driver
     and key; tensorstore handles opened once each."""
 
     def __init__(self):
@@ -518,14 +547,14 @@ def _item_dirs(store: Store, files: dict[str, int]) -> list[str]:
 
 def _remote(store: Store) -> UnsupportedFormatError:
     """The refusal of reading an Orbax checkpoint's arrays (their zarr metadata or data)
-    where tensorstore is not opened (:func:`s3_kvstore`: local folders and ``s3://`` so
-    far); by name, one line, exit 3. What needs no array (:func:`metadata_only`) is read
+    where tensorstore is not opened (:func:`kvstore_spec`: local folders, ``s3://`` and
+    ``gs://`` so far); by name, one line, exit 3. What needs no array (:func:`metadata_only`) is read
     there."""
     if type(store).__name__ == "PackStore":  # tensorstore reads files, not a pack's chunks
         return layout_refused(store.url, "Orbax arrays in a pack (tensorstore reads them "
                               "from files: unpack it first)", "Orbax")
     return layout_refused(store.url, "Orbax arrays on an object store (their metadata and "
-                          "data are read from local folders and s3:// only so far; ls, latest, "
+                          "data are read from local folders, s3:// and gs:// only so far; ls, latest, "
                           "gc and verify --level quick work here)", "Orbax")
 
 
@@ -605,7 +634,7 @@ def read_orbax(store: Store, files: dict[str, int]) -> Checkpoint:
         ck.info["orbax_arrays_unread"] = True
         notes.append("arrays not read (only the commit state is: steps, commit markers, "
                       "_METADATA, the merged manifest.ocdbt)")
-    elif ck.tensors and s3_kvstore(store) is None:
+    elif ck.tensors and kvstore_spec(store) is None:
         raise _remote(store)
     return ck
 
@@ -651,7 +680,7 @@ def _read_item(ck: Checkpoint, store: Store, files: dict[str, int], item: str, p
                      + (", ..." if len(skipped) > 5 else ""))
     mname = "zarr.json" if zarr3 else ".zarray"
     docs = _metadata_docs(store, files, item, [k for k, _ in names], mname, ocdbt)
-    base = s3_kvstore(store, item) if names else None
+    base = kvstore_spec(store, item) if names else None
     for key, name in names:
         if name in ck.tensors:
             raise FormatError(where, f"{name}: two leaves of the same name")
@@ -685,7 +714,7 @@ def _metadata_docs(store: Store, files: dict[str, int], item: str, keys: list[st
     if not keys:
         return {}
     where = store.display(join(OCDBT_MANIFEST))
-    base = s3_kvstore(store, item)
+    base = kvstore_spec(store, item)
     if base is None:
         raise _remote(store)
     ts = _ts(where)
