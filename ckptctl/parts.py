@@ -11,6 +11,9 @@ place only model and optimizer entries, ops report state closure with it
 ...  "rng_state/shard_0.0_2.1", "opt_param_scheduler.max_lr", "args.hidden_size",
 ...  "common_state/shard_0_1")]
 ['meta', 'rng', 'lr_scheduler', 'meta', 'meta']
+>>> [classify(n) for n in ("opt_state.0.mu.w", "state.opt_state.0.nu.w", "state.params.w",
+...  "state.step")]
+['optim', 'optim', 'model', 'step']
 """
 from __future__ import annotations
 
@@ -33,8 +36,10 @@ _RULES = [
     # a module's _extra_state (Transformer Engine's FP8 metadata; Megatron's ShardedObject
     # ``<key>/shard_<offset>_<shape>``): bytes beside the weights, not a weight
     ("meta", re.compile(r"(^|\.)_extra_state(/|\.|$)")),
-    # ``opt_state``: Orbax / optax (``opt_state.0.mu.<param>``)
-    ("optim", re.compile(r"^(optim|optimizer|optimizers|opt|opt_state|optimizer_states?|"
+    # ``opt_state``: Orbax / optax (``opt_state.0.mu.<param>``); under a Flax TrainState
+    # saved as an item named ``state`` (``state.opt_state...``), as the step rule allows
+    ("optim", re.compile(r"^((train_state|state)\.)?"
+                         r"(optim|optimizer|optimizers|opt|opt_state|optimizer_states?|"
                          r"distrib_optim)"
                          r"(_\d+)?(\.|$)|"
                          r"(^|\.)(exp_avg|exp_avg_sq|param_groups|momentum_buffer)(\.|$)")),
