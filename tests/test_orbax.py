@@ -387,3 +387,12 @@ import resource, subprocess, sys
 p = subprocess.run([sys.executable, "-m", "ckptctl", *sys.argv[1:]], stderr=sys.stderr)
 print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """
+
+
+def test_inspect_says_which_mesh_saved_it(orbax_ckpts, cli):
+    """``_sharding`` (the fixture's arrays: a 2-device mesh ``d`` and single devices) is
+    shown for information."""
+    code, out, err = cli("inspect", str(orbax_ckpts.step_dir("manager-20")), "--json")
+    assert code == 0, err
+    notes = [n for n in json.loads(out)["notes"] if n.startswith("saved from")]
+    assert len(notes) == 1 and "mesh d=2 (" in notes[0] and "one device (" in notes[0], notes

@@ -674,6 +674,9 @@ def _read_item(ck: Checkpoint, store: Store, files: dict[str, int], item: str, p
     if shallow:
         ck.info["orbax_leaves"] = ck.info.get("orbax_leaves", 0) + len(names)
         return layout
+    if mesh := _saved_mesh(store, files, join("_sharding")):
+        notes.append(f"saved from {mesh} (_sharding; for information: ckptctl reads the "
+                     "arrays whole, whatever mesh wrote them)")
     if skipped:
         notes.append(f"{len(skipped)} leaf/leaves without an array (value_type None, e.g. "
                      f"optax EmptyState) left out: {', '.join(sorted(skipped)[:5])}"
@@ -695,6 +698,41 @@ def _read_item(ck: Checkpoint, store: Store, files: dict[str, int], item: str, p
         ck.tensors[name] = t
         arrays.where[name] = (base, "zarr3" if zarr3 else "zarr", ocdbt, key)
     return layout
+
+
+def _saved_mesh(store: Store, files: dict[str, int], rel: str) -> str | None:
+    """What ``_sharding`` says the arrays were saved from, in words: the named meshes
+    (axis names and sizes) and single devices, with how many arrays each; None where
+    there is no such file or it says nothing readable (it is information only).
+
+    >>> _saved_mesh(None, {}, "_sharding") is None
+    True
+    """
+    import json
+    from collections import Counter
+
+    if rel not in files or files[rel] > MAX_METADATA_BYTES:
+        return None
+    try:
+        doc = _json(store, rel, files)
+    except (FormatError, UnsafeInputError):
+        return None
+    seen: Counter = Counter()
+    for value in (doc.values() if isinstance(doc, dict) else ()):
+        try:
+            rec = json.loads(value) if isinstance(value, str) else value
+        except ValueError:
+            continue
+        if not isinstance(rec, dict):
+            continue
+        names, shape = rec.get("axis_names"), rec.get("shape")
+        if (isinstance(names, list) and isinstance(shape, list) and len(names) == len(shape)
+                and all(isinstance(n, str) for n in names)
+                and all(isinstance(n, int) for n in shape)):
+            seen["mesh " + ",".join(f"{n}={k}" for n, k in zip(names, shape))] += 1
+        elif rec.get("sharding_type") == "SingleDeviceSharding":
+            seen["one device"] += 1
+    return "; ".join(f"{what} ({n} arrays)" for what, n in seen.most_common(4)) or None
 
 
 def _metadata_docs(store: Store, files: dict[str, int], item: str, keys: list[str],
