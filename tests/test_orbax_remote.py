@@ -244,3 +244,38 @@ def test_orbax_arrays_on_s3_with_the_environments_keys(orbax_ckpts, cli, moto_bu
     assert code == 0, err
     assert len(json.loads(out)["tensors"]) == len(orbax_ckpts.oracle("manager-20"))
     assert {p for g in pattern for p in glob.glob(g)} == before
+
+
+def test_watch_drains_an_orbax_run_to_a_packed_s3_tier(orbax_ckpts, tmp_path, moto_bucket):
+    """A CheckpointManager root as the hot tier: its committed steps go to warm (local)
+    and on to S3 as packs, each tier trimmed; Orbax's save in flight is never touched."""
+    import shutil
+
+    from ckptctl.catalog.ls import ls
+    from ckptctl.service.watch import Watcher
+    from ckptctl.tiering.config import load_config
+
+    hot, warm = tmp_path / "hot", tmp_path / "warm"
+    shutil.copytree(orbax_ckpts.manager, hot)
+    shutil.copytree(orbax_ckpts.inflight / f"30{TMP_SUFFIX}", hot / f"30{TMP_SUFFIX}")
+    for p in [hot, *hot.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    opts = {k: v for k, v in moto_bucket.storage_options.items() if not isinstance(v, dict)}
+    cfg = tmp_path / "ckptctl.toml"
+    cfg.write_text(f'[[tier]]\nname = "hot"\nurl = "{hot}"\nkeep = {{ last = 1 }}\n'
+                   f'[[tier]]\nname = "warm"\nurl = "{warm}"\nkeep = {{ last = 1 }}\n'
+                   f'[[tier]]\nname = "cold"\nurl = "{moto_bucket.url("run")}"\n'
+                   f'pack = true\nstorage_options = {{ '
+                   + ", ".join(f"{k} = {json.dumps(v)}" for k, v in opts.items()) + " }\n")
+    p = Watcher(load_config(str(cfg)), settle=0).run_once()
+    doc = p.to_dict()
+    assert doc["failed"] == [], doc
+    assert doc["pending"] == [{"tier": "hot", "name": f"30{TMP_SUFFIX}", "why": "incomplete"}]
+    assert sorted((h.name, h.src, h.dst) for h in p.promoted) == [
+        ("10", "hot", "warm"), ("10", "warm", "cold"), ("20", "hot", "warm"),
+        ("20", "warm", "cold")]
+    states = lambda url, o=None: {r.name: r.state for r in ls(url, o).checkpoints}  # noqa: E731
+    assert states(str(hot)) == {"20": "sealed", f"30{TMP_SUFFIX}": "incomplete"}
+    assert states(str(warm)) == {"20": "sealed"}
+    assert states(moto_bucket.url("run"), moto_bucket.storage_options) == {
+        "10": "sealed", "20": "sealed"}

@@ -265,6 +265,10 @@ def kvstore_spec(store: Store, rel: str = "") -> dict | None:
     >>> kvstore_spec(open_store("/tmp/run"), "20/default")
     {'driver': 'file', 'path': '/tmp/run/20/default/'}
     """
+    from .pack import PackStore
+
+    if isinstance(store, PackStore):  # a pack's files are chunks of its data files
+        return None
     if store.is_local:
         return {"driver": "file", "path": store.local_path(rel).rstrip("/") + "/"}
     bucket, _, key = store.full(rel).rstrip("/").partition("/")
@@ -550,7 +554,9 @@ def _remote(store: Store) -> UnsupportedFormatError:
     where tensorstore is not opened (:func:`kvstore_spec`: local folders, ``s3://`` and
     ``gs://`` so far); by name, one line, exit 3. What needs no array (:func:`metadata_only`) is read
     there."""
-    if type(store).__name__ == "PackStore":  # tensorstore reads files, not a pack's chunks
+    from .pack import PackStore
+
+    if isinstance(store, PackStore):  # tensorstore reads files, not a pack's chunks
         return layout_refused(store.url, "Orbax arrays in a pack (tensorstore reads them "
                               "from files: unpack it first)", "Orbax")
     return layout_refused(store.url, "Orbax arrays on an object store (their metadata and "

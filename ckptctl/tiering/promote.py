@@ -926,8 +926,9 @@ def _convert(src: str, dst: str, src_options, dst_options, *, pack: bool, base, 
 
         try:
             r = pack_against(base)
-        except Finding as e:  # the newest pack there cannot be restored: no delta on it
-            if not auto_base or e.code != "MISSING_BASE":
+        except CkptError as e:  # the newest pack there cannot be restored, or its tensors
+            # not read in place (an Orbax pack: tensorstore reads files): no delta on it
+            if not auto_base or e.code not in ("MISSING_BASE", "UNSUPPORTED_FORMAT"):
                 raise
             r = pack_against(None)
             r.full_reason = f"{base} was not usable as a base ({e.message}): wrote a full pack"
