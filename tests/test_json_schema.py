@@ -358,6 +358,26 @@ def test_diff_json_error(cli, run, tmp_path):
     assert e["code"] == "USAGE" and "--rtol" in e["message"]
 
 
+def _wait_blocked_in_read(p: subprocess.Popen, deadline: float) -> None:
+    """Wait until ``p`` sleeps in the FIFO's read(). A SIGINT that lands between its open()
+    returning and that read() sets Python's flag but interrupts no system call, so the read
+    would block for good (CI hung on it once under load). In read() it gets EINTR and raises
+    KeyboardInterrupt at once. Where the kernel does not say (no wchan), go on as before."""
+    wchan, told = f"/proc/{p.pid}/wchan", False
+    while time.monotonic() < deadline:
+        try:
+            with open(wchan) as f:
+                where = f.read().strip()
+        except OSError:
+            return
+        if "pipe_read" in where:
+            return
+        told = told or where not in ("", "0")  # "0": running, or a kernel that hides it
+        assert p.poll() is None, p.communicate()
+        time.sleep(0.02)
+    assert not told, f"ckptctl never blocked reading its --rules FIFO (last in {where})"
+
+
 def test_interrupted_json_error(tmp_path):
     """Ctrl-C: "interrupted" on stderr, exit 130, and the error object on stdout. The
     command blocks reading its --rules file (a FIFO), so the signal lands mid-command."""
@@ -377,6 +397,7 @@ def test_interrupted_json_error(tmp_path):
             except OSError:
                 assert p.poll() is None and time.monotonic() < deadline, p.communicate()
                 time.sleep(0.02)
+        _wait_blocked_in_read(p, deadline)
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
         os.close(fd)
