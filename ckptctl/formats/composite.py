@@ -67,6 +67,10 @@ _STATE = [
     (re.compile(r"^scaler\.pt$"), "scaler", "torch"),
     (re.compile(r"^training_args\.bin$"), "training_args", "opaque"),
 ]
+#: what every _STATE name starts with: most names in a folder are none of them, and one
+#: startswith says so (a 1,000-shard folder: 1,000 calls, not 9,000 regex matches)
+_STATE_PREFIXES = ("optimizer", "scheduler", "dl_state_dict", "sampler", "random_states_",
+                   "rng_state", "custom_checkpoint_", "scaler.pt", "training_args.bin")
 #: Roles whose presence makes a folder a multi-file training state.
 _TRIGGERS = {"optim", "lr_scheduler", "dataloader", "sampler", "rng", "custom"}
 _OPAQUE_TYPES = {"rng": "opaque RNG state (pickle)", "custom": "opaque custom object (pickle)",
@@ -104,6 +108,8 @@ def _num(m: re.Match) -> int:
 
 
 def _state_role(name: str):
+    if not name.startswith(_STATE_PREFIXES):
+        return None
     for pat, role, how in _STATE:
         m = pat.match(name)
         if m:

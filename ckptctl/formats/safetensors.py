@@ -69,7 +69,8 @@ def split_exports(names) -> tuple[list[str], list[str]]:
     top = [n for n in names if "/" not in n]
     indexes = {m["stem"]: n for n in top if (m := _INDEX_NAME.match(n))}
     shards = [n for n in top if n.endswith(".safetensors") and _SHARD_NAME.match(n)]
-    whole = [n for n in top if n.endswith(".safetensors") and n not in shards]
+    sharded = set(shards)
+    whole = [n for n in top if n.endswith(".safetensors") and n not in sharded]
     stems = {_SHARD_NAME.match(n)["stem"] for n in shards}
     claimed = [f"{s}.safetensors" for s in indexes if s not in stems
                and f"{s}.safetensors" in whole]
