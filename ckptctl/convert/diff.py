@@ -95,6 +95,10 @@ class EntryDiff:
     max_abs_diff: float | None = None
     rel_l2: float | None = None
     fraction_changed: float | None = None
+    #: ``||a - b||`` and ``||b||`` over the positions finite on both sides (set with
+    #: ``rel_l2``): what a layer's relative change is summed from (:func:`by_layer`)
+    l2_diff: float | None = None
+    l2_b: float | None = None
     note: str | None = None
     part: str | None = None
 
@@ -133,7 +137,100 @@ class DiffResult:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["entries"] = [{k: v for k, v in e.items() if v is not None} for e in d["entries"]]
+        d["layers"] = [asdict(x) for x in by_layer(self.entries)]
         return {"equal": d.pop("equal"), "verdict": d.pop("verdict"), **d}
+
+
+@dataclass
+class LayerChange:
+    """The change of one layer (:func:`layer_of`) between A and B, summed over its tensors
+    present on both sides with the same dtype and shape. ``rel_l2``: ``sqrt(sum ||a-b||^2)
+    / sqrt(sum ||b||^2)`` over the tensors whose values differ (tensors proven identical
+    add nothing above, and are not read for the norm below: 0.0 when none differ; None
+    when B's norm is 0 or NaN/Inf sits on one side only); ``fraction_changed``: values
+    changed over every value of the layer's tensors; ``nonfinite_mismatch``: positions
+    NaN/Inf on one side only; ``structural``: tensors whose dtype or shape differ (not
+    counted above)."""
+
+    layer: str
+    part: str
+    tensors: int = 0
+    tensors_changed: int = 0
+    numel: int = 0
+    changed: int = 0
+    fraction_changed: float = 0.0
+    rel_l2: float | None = 0.0
+    max_abs_diff: float = 0.0
+    nonfinite_mismatch: int = 0
+    structural: int = 0
+
+
+def layer_of(name: str) -> str:
+    """The layer a tensor belongs to: its name up to the first numbered component (a
+    transformer block), else its module (the name less its last component).
+
+    >>> layer_of("model.layers.3.self_attn.q_proj.weight"), layer_of("model.norm.weight")
+    ('model.layers.3', 'model.norm')
+    >>> layer_of("optim.state.model.layers.0.weight.exp_avg"), layer_of("step")
+    ('optim.state.model.layers.0', 'step')
+    """
+    parts = name.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1]) or name
+
+
+def by_layer(entries: list[EntryDiff]) -> list[LayerChange]:
+    """The tensors compared on both sides, grouped by :func:`layer_of`, in natural name
+    order: what ``diff --plot``, ``diff --json``'s ``layers`` and ``ckptctl report``'s
+    change strip show.
+
+    >>> rows = [EntryDiff("l.0.w", "tensor", "different", numel=4, changed=1, l2_diff=3.0,
+    ...                   l2_b=4.0, rel_l2=0.75, max_abs_diff=3.0, part="model"),
+    ...         EntryDiff("l.0.b", "tensor", "identical", shape=[4], part="model")]
+    >>> x = by_layer(rows)[0]
+    >>> x.layer, x.tensors, x.tensors_changed, x.rel_l2, x.fraction_changed
+    ('l.0', 2, 1, 0.75, 0.125)
+    """
+    from ..model import natural_key
+
+    layers: dict[str, LayerChange] = {}
+    d2: dict[str, float] = {}
+    b2: dict[str, float] = {}
+    unbounded: set[str] = set()
+    for e in entries:
+        if e.kind != "tensor" or e.status in ONE_SIDED:
+            continue
+        key = layer_of(e.name)
+        x = layers.setdefault(key, LayerChange(key, e.part or part_of(e.name)))
+        x.tensors += 1
+        if e.status in STRUCTURAL:
+            x.structural += 1
+            continue
+        x.numel += e.numel if e.numel is not None else math.prod(e.shape or [])
+        if e.status == "different" and e.changed is None:  # a dtype not decoded
+            x.tensors_changed += 1
+            unbounded.add(key)
+            continue
+        if not e.changed:
+            continue
+        x.tensors_changed += 1
+        x.changed += e.changed
+        x.nonfinite_mismatch += e.nonfinite_mismatch or 0
+        x.max_abs_diff = max(x.max_abs_diff, e.max_abs_diff or 0.0)
+        if e.l2_diff is None or e.l2_b is None or e.nonfinite_mismatch:
+            unbounded.add(key)  # undecoded, or NaN/Inf on one side: no finite ratio
+            continue
+        d2[key] = d2.get(key, 0.0) + e.l2_diff ** 2
+        b2[key] = b2.get(key, 0.0) + e.l2_b ** 2
+    for key, x in layers.items():
+        x.fraction_changed = x.changed / x.numel if x.numel else 0.0
+        if key in unbounded or (d2.get(key) and not b2.get(key)):
+            x.rel_l2 = None
+        elif key in d2:
+            x.rel_l2 = math.sqrt(d2[key]) / math.sqrt(b2[key])
+    return [layers[k] for k in sorted(layers, key=natural_key)]
 
 
 # --------------------------------------------------------------------------- names
@@ -765,6 +862,7 @@ def _finish(pair: _Pair) -> None:
     # the number of values compared: torch's fp4 x2 holds two in each element
     row.numel = pair.ta.numel * (2 if pair.ta.dtype.name == "float4_e2m1fn_x2" else 1)
     row.changed, row.outside_tolerance, row.nonfinite_mismatch = s.changed, s.outside, s.nonfinite
+    row.l2_diff, row.l2_b = math.sqrt(s.sum_d2), math.sqrt(s.sum_b2)
     if s.outside == 0:
         row.status, row.proof = "equal_within_tolerance", "tolerance"
         if s.changed == 0:
