@@ -197,6 +197,36 @@ def plural(n: int, word: str, many: str | None = None) -> str:
     return f"{n:,} {word if n == 1 else many or word + 's'}"
 
 
+#: A year in durations here: 365 days (a vendor's "5 years MTBF"); the other units are
+#: ``parse_duration``'s (s, m, h, d, w).
+YEAR = 365 * 86400
+
+
+def positive_duration(flag: str, text: str | None) -> float | None:
+    """Seconds in ``text``: ``parse_duration``'s spellings (``5y``, ``2.8h``, ``1d12h``,
+    ``90m``, a number of seconds), more than 0.
+
+    >>> positive_duration("--node-mtbf", "5y") == 5 * YEAR
+    True
+    >>> positive_duration("--mtbf", "1y12h") == YEAR + 43200
+    True
+    >>> positive_duration("--mtbf", "2.8h"), positive_duration("--mtbf", None)
+    (10080.0, None)
+    """
+    from ..errors import UsageError
+    from ..tiering.policy import parse_duration
+
+    if text is None:
+        return None
+    try:
+        value = parse_duration(text)
+    except UsageError as e:
+        raise UsageError(f"{flag}: {e.message}") from None
+    if value <= 0:
+        raise UsageError(f"{flag} must be longer than 0, not {text!r}")
+    return value
+
+
 def check_size(value: str | None) -> str | None:
     """typer callback of a size flag (``--max-memory 1GiB``): a size that does not parse or
     is not positive is a usage error (exit 2) that names the flag."""

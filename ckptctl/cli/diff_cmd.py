@@ -49,6 +49,12 @@ def diff(
     limit: int = typer.Option(20, "--limit", min=0, metavar="N",
                               help="List at most N differing entries, largest change first; "
                                    "0: every one."),
+    plot: bool = typer.Option(
+        False, "--plot", help="After the output, a bar chart of each layer's change (as "
+        "--json's layers): the bar and first figure its relative L2 change ||a-b||/||b|| (3 "
+        "significant digits), then the % of its values changed; NaN/Inf or n/a, and no bar, "
+        "where there is no finite ratio. Over --limit layers: the N that changed most, in "
+        "layer order. Ignored with --json and --quiet."),
     max_memory: str = typer.Option("1GiB", "--max-memory", metavar="SIZE", callback=check_size,
                                    help="Memory budget for tensor data (1GiB, 512MB, ...)."),
     workers: int = typer.Option(4, "--workers", min=1, metavar="N",
@@ -77,7 +83,8 @@ def diff(
     The first line is the verdict (identical, equal or differ, with counts), then the
     count of each status and what was proven, then the differing entries: mismatches of
     dtype or shape first, then by relative L2 change, largest first; entries on one side
-    only last (--limit caps the list; --stat counts per state part instead).
+    only last (--limit caps the list; --stat counts per state part instead). --plot
+    then draws each layer's change as a bar in the terminal.
 
     \b
     EXAMPLES
@@ -86,9 +93,14 @@ def diff(
       ckptctl diff ckpt/step-20 export/ --map model.= --common --stat
       ckptctl diff --atol 1e-6 --rtol 1e-3 --json a/ s3://runs/llama/step-12000
       ckptctl diff --cast hf-bf16/ ckpt/step-20 --map model.=  # bf16 vs fp32
+      ckptctl diff run/step-1000 run/step-2000 --only model --plot
     """
     from ..convert.diff import diff as do_diff
 
+    if plot and not (json or quiet):
+        from .textplot import require_plotext
+
+        require_plotext()  # missing: exit 3 before anything is read
     pa = resolve_place(ctx, a, storage_option, a_option, own_flag="--a-option")
     pb = resolve_place(ctx, b, storage_option, b_option, own_flag="--b-option")
     with byte_progress("diff", enabled=not (json or quiet)) as bar:
@@ -99,6 +111,9 @@ def diff(
         emit_json(r.to_dict())
     elif not quiet:
         render(r, stat=stat, limit=limit)
+        if plot:
+            say()
+            print(layer_chart(r, limit=limit))
     if not r.equal:
         raise typer.Exit(EXIT_FINDING)
 
@@ -122,6 +137,98 @@ def render(r, *, stat: bool = False, limit: int = 20) -> None:
                     fold=(2,))
     if len(shown) < len(listed):
         say(f"... and {len(listed) - len(shown):,} more (--limit 0 lists every one)")
+
+
+def layer_chart(r, *, limit: int = 20, width: int | None = None,
+                color: bool | None = None) -> str:
+    """``--plot``: one bar per layer (:func:`~ckptctl.convert.diff.by_layer`, as ``--json``'s
+    ``layers``), in layer order, its length the layer's relative L2 change, labelled with
+    it (:func:`rel_text`) and the % of its values changed; with more than ``limit`` layers
+    (0: no cap), the ``limit`` that changed most (:func:`top_layers`), and a line saying
+    how many are left out.
+
+    >>> from ckptctl.convert.diff import DiffResult, EntryDiff
+    >>> rows = [EntryDiff("l.0.w", "tensor", "different", numel=4, changed=1, l2_diff=1.0,
+    ...                   l2_b=4.0, rel_l2=0.25, max_abs_diff=1.0),
+    ...         EntryDiff("l.1.w", "tensor", "identical", shape=[4]),
+    ...         EntryDiff("l.2.w", "tensor", "different", numel=4, changed=4, l2_diff=2.0,
+    ...                   l2_b=4.0, rel_l2=0.5, max_abs_diff=1.0, nonfinite_mismatch=1)]
+    >>> print(layer_chart(DiffResult(False, {}, {}, 0, 0, entries=rows), width=44,
+    ...                   color=False))
+    per-layer change: relative L2 ||a-b||/||b|| (bar), % of values changed
+                      ┌────────────────────────┐
+    l.0     0.25   25%┤████████████████████████│
+    l.1        0    0%┤                        │
+    l.2  NaN/Inf  100%┤                        │
+                      └┬───────────┬──────────┬┘
+                       0         0.125     0.25
+    NaN/Inf: NaN or Inf on one side only, no finite ratio (no bar)
+    """
+    from ..convert.diff import by_layer
+    from .textplot import hbars
+
+    layers = by_layer(r.entries)
+    if not layers:
+        return "per-layer change: no tensor compared on both sides, nothing to plot"
+    shown = top_layers(layers, limit)
+    cols = [[x.layer for x in shown], [rel_text(x) for x in shown],
+            [f"{100 * x.fraction_changed:.3g}%" for x in shown]]
+    if any(x.structural for x in shown):
+        cols.append([f"+{x.structural} dtype/shape" if x.structural else "" for x in shown])
+    widths = [max(map(len, c)) for c in cols]
+    labels = ["  ".join(c.ljust(w) if i in (0, 3) else c.rjust(w)
+                        for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+              for cells in zip(*cols)]
+    lines = ["per-layer change: relative L2 ||a-b||/||b|| (bar), % of values changed",
+             hbars(labels, [x.rel_l2 for x in shown], width=width, color=color)]
+    if any(x.rel_l2 is None and x.nonfinite_mismatch for x in shown):
+        lines.append("NaN/Inf: NaN or Inf on one side only, no finite ratio (no bar)")
+    if any(x.rel_l2 is None and not x.nonfinite_mismatch for x in shown):
+        lines.append("n/a: ||b|| = 0, or a dtype not decoded: no ratio (no bar)")
+    if any(x.structural for x in shown):
+        lines.append("+N dtype/shape: tensors of the layer whose dtype or shape differ "
+                     "(not in its figures)")
+    if len(shown) < len(layers):
+        left = [x for x in layers if x not in shown]
+        same = sum(not x.tensors_changed and not x.structural for x in left)
+        lines.append(f"... and {plural(len(left), 'more layer')}, less changed"
+                     + (f" ({same:,} of them unchanged)" if same else "")
+                     + ": --limit 0 plots every one")
+    return "\n".join(lines)
+
+
+def rel_text(x) -> str:
+    """A layer's relative L2 change as ``--plot`` labels it: 3 significant digits;
+    ``NaN/Inf`` where NaN or Inf sits on one side only, ``n/a`` where there is no ratio
+    otherwise (B's norm 0, a dtype not decoded).
+
+    >>> from ckptctl.convert.diff import LayerChange
+    >>> [rel_text(LayerChange("l", "model", rel_l2=v)) for v in (0.0, 0.012345, None)]
+    ['0', '0.0123', 'n/a']
+    >>> rel_text(LayerChange("l", "model", rel_l2=None, nonfinite_mismatch=3))
+    'NaN/Inf'
+    """
+    if x.rel_l2 is None:
+        return "NaN/Inf" if x.nonfinite_mismatch else "n/a"
+    return f"{x.rel_l2:.3g}"
+
+
+def top_layers(layers: list, limit: int) -> list:
+    """The ``limit`` layers that changed most (0: all), in their own order: those with no
+    finite ratio or a dtype/shape mismatch first, then by relative L2 change, then by the
+    fraction of values changed; ties keep the earlier layer.
+
+    >>> from ckptctl.convert.diff import LayerChange
+    >>> ls = [LayerChange(f"l.{i}", "model", rel_l2=v) for i, v in enumerate([0.1, 0, None, 0.3])]
+    >>> [x.layer for x in top_layers(ls, 2)], len(top_layers(ls, 0))
+    (['l.2', 'l.3'], 4)
+    """
+    if not limit or len(layers) <= limit:
+        return list(layers)
+    ranked = sorted(range(len(layers)), key=lambda i: (
+        not (layers[i].rel_l2 is None or layers[i].structural),
+        -(layers[i].rel_l2 or 0.0), -layers[i].fraction_changed))
+    return [layers[i] for i in sorted(ranked[:limit])]
 
 
 def verdict(r) -> str:

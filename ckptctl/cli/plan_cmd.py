@@ -1,6 +1,7 @@
 """``ckptctl plan``: the checkpoint interval, its cost, and what the tiers must sustain."""
 from __future__ import annotations
 
+import math
 import sys
 from typing import List, Optional
 
@@ -8,7 +9,7 @@ import typer
 
 from .app import app
 from .common import (JsonOpt, QuietOpt, emit_json, human_bytes, human_rate, human_seconds,
-                     print_table, say)
+                     YEAR, positive_duration, print_table, say)
 
 
 def _size(flag: str, text: str) -> int:
@@ -28,34 +29,6 @@ def _size(flag: str, text: str) -> int:
     if value is None:
         raise UsageError(f"{flag} must be more than 0, not {text!r}")
     return int(round(value))
-
-
-#: A year in durations here: 365 days (a vendor's "5 years MTBF"); the other units are
-#: ``parse_duration``'s (s, m, h, d, w).
-YEAR = 365 * 86400
-
-
-def _duration(flag: str, text: str | None) -> float | None:
-    """Seconds in ``text``: ``parse_duration``'s spellings (``5y``, ``2.8h``, ``1d12h``,
-    ``90m``, a number of seconds), more than 0.
-
-    >>> _duration("--node-mtbf", "5y") == 5 * YEAR, _duration("--mtbf", "1y12h") == YEAR + 43200
-    (True, True)
-    >>> _duration("--mtbf", "2.8h"), _duration("--mtbf", None)
-    (10080.0, None)
-    """
-    from ..errors import UsageError
-    from ..tiering.policy import parse_duration
-
-    if text is None:
-        return None
-    try:
-        value = parse_duration(text)
-    except UsageError as e:
-        raise UsageError(f"{flag}: {e.message}") from None
-    if value <= 0:
-        raise UsageError(f"{flag} must be longer than 0, not {text!r}")
-    return value
 
 
 def _rate(flag: str, text: str | None) -> float | None:
@@ -129,6 +102,10 @@ def plan(
     measure_seconds: float = typer.Option(
         5.0, "--measure-seconds", metavar="S",
         help="--measure stops writing (and reading) after about this long."),
+    plot: bool = typer.Option(
+        False, "--plot", help="After the figures, a chart of the expected overhead against "
+        "the interval (log scale, tau*/10 to 10 tau*), drawn in the terminal: * marks the "
+        "optimal interval, o the chosen one (--interval). Ignored with --json and --quiet."),
     json: bool = JsonOpt,
     quiet: bool = QuietOpt,
     storage_option: Optional[List[str]] = typer.Option(
@@ -175,6 +152,8 @@ def plan(
       ckptctl plan --checkpoint warm:step-12000 --save-seconds 45 --mtbf 1d
       ckptctl plan --checkpoint-size 800GiB --save-seconds 60 --mtbf 6h \\
           --measure hot --measure warm --json
+      ckptctl plan --checkpoint-size 1TB --save-seconds 60 --mtbf 2.8h \\
+          --interval 30m --plot
     """
     from ..errors import UsageError
     from ..tiering.plan import TierInput, checkpoint_size as measure_size_of, measure_tier
@@ -200,10 +179,14 @@ def plan(
         raise UsageError("give --mtbf DUR (the job's mean time between failures, e.g. 2.8h)"
                          " or --node-mtbf DUR (one node's, e.g. 5y)")
     nodes_from_gpus(nodes, gpus, gpus_per_node)  # exit 2 before any tier is measured
-    mtbf_s = _duration("--mtbf", mtbf)
-    node_mtbf_s = _duration("--node-mtbf", node_mtbf)
+    if plot and not (json or quiet):
+        from .textplot import require_plotext
+
+        require_plotext()  # missing: exit 3 before any tier is measured
+    mtbf_s = positive_duration("--mtbf", mtbf)
+    node_mtbf_s = positive_duration("--node-mtbf", node_mtbf)
     write_rate = _rate("--write-bandwidth", write_bandwidth)
-    interval_s = _duration("--interval", interval)
+    interval_s = positive_duration("--interval", interval)
     probe_size = _size("--measure-size", measure_size)
     if not measure_seconds > 0:
         raise UsageError(f"--measure-seconds must be more than 0, not {measure_seconds:g}")
@@ -238,6 +221,52 @@ def plan(
     if quiet:
         return
     _show(r)
+    if plot:
+        say()
+        print(overhead_chart(r))
+
+
+def overhead_chart(r, *, width: int | None = None, color: bool | None = None) -> str:
+    """``--plot``: the expected overhead (%) of :class:`~ckptctl.tiering.plan.PlanResult`
+    ``r`` against the interval (:func:`~ckptctl.tiering.plan.overhead_curve`), on a log
+    axis ticked at factors of sqrt(10) of tau*, the optimum marked ``*`` and the chosen
+    interval ``o``, each with a line under the chart saying what it is.
+
+    >>> from ckptctl.tiering.plan import plan
+    >>> text = overhead_chart(plan(10**12, 60, 10080, interval_seconds=1800), width=60,
+    ...                       color=False)
+    >>> print("\\n".join(text.splitlines()[-2:]))
+    * optimal interval tau* = 18m19s (Young): 10.52% overhead
+    o chosen interval 30m: 11.88% overhead
+    """
+    from ..tiering.plan import overhead_curve
+    from ..tiering.policy import format_duration
+    from .textplot import curve, short_duration
+
+    c = overhead_curve(r.save_seconds, r.mtbf_seconds, chosen=r.chosen_interval_seconds)
+    xs, best, chosen = c["intervals_seconds"], c["optimal"], c["chosen"]
+    marks = [(best["interval_seconds"], 100 * best["overhead"], "*")]
+    if chosen:
+        marks.append((chosen["interval_seconds"], 100 * chosen["overhead"], "o"))
+    decades = math.log10(xs[-1] / xs[0])
+    step = 0.5  # ticks at tau* x sqrt(10)^k; wider apart on a span of many decades
+    while decades / step > 6:
+        step *= 2
+    low = math.ceil(math.log10(xs[0] / best["interval_seconds"]) / step - 1e-9)
+    high = math.floor(math.log10(xs[-1] / best["interval_seconds"]) / step + 1e-9)
+    ticks = [best["interval_seconds"] * 10 ** (k * step) for k in range(low, high + 1)]
+    chart = curve(xs, [100 * o for o in c["overheads"]], marks=marks, logx=True,
+                  xticks=[(t, short_duration(t)) for t in ticks], height=15, width=width,
+                  color=color)
+    who = "Young" if best["formula"] == "young" else "Daly"
+    lines = ["overhead, % of time lost to saves and redone work, by interval (log scale):",
+             chart,
+             f"* optimal interval tau* = {format_duration(best['interval_seconds'])} ({who}): "
+             f"{best['overhead']:.2%} overhead"]
+    if chosen:
+        lines.append(f"o chosen interval {format_duration(chosen['interval_seconds'])}: "
+                     f"{chosen['overhead']:.2%} overhead")
+    return "\n".join(lines)
 
 
 def _long(seconds: float) -> str:

@@ -128,6 +128,69 @@ def overhead(save_seconds: float, interval_seconds: float, mtbf_seconds: float) 
     return save_seconds / interval_seconds + interval_seconds / (2.0 * mtbf_seconds)
 
 
+def overhead_curve(save_seconds: float, mtbf_seconds: float, *, chosen: float | None = None,
+                   points: int = 81, span: float = 10.0) -> dict:
+    """The expected overhead (:func:`expected_overhead`: saving plus the work redone after
+    failures, as a fraction of wall-clock time) against the checkpoint interval, for a
+    chart: what ``plan --plot`` draws and the HTML report's plan chart reads.
+
+    The optimal interval tau* is :func:`plan`'s (Young's while C/M <=
+    :data:`FIRST_ORDER_RATIO`, else :func:`daly`'s). ``points`` intervals are sampled
+    evenly on a log scale from tau*/``span`` to tau* x ``span`` (with an odd count, tau*
+    itself is the middle one), widened to a factor 2 beyond ``chosen`` where that falls
+    outside. Returns a JSON-ready dict:
+
+    * ``intervals_seconds``, ``overheads``: the samples, in increasing interval;
+    * ``optimal``: ``{"interval_seconds", "overhead", "formula"}`` (``young``/``daly``);
+    * ``chosen``: ``{"interval_seconds", "overhead"}`` for ``chosen``, else None;
+    * ``save_seconds``, ``mtbf_seconds``, and ``model`` (``daly``: Daly's expected
+      wall-clock model, the one :func:`plan`'s overheads come from).
+
+    >>> c = overhead_curve(50, 10000, points=5, chosen=2000)
+    >>> [round(t) for t in c["intervals_seconds"]]
+    [100, 316, 1000, 3162, 10000]
+    >>> [round(x, 3) for x in c["overheads"]]
+    [0.338, 0.152, 0.097, 0.165, 0.423]
+    >>> o = c["optimal"]; o["interval_seconds"], round(o["overhead"], 4), o["formula"]
+    (1000.0, 0.0967, 'young')
+    >>> c["chosen"]["interval_seconds"], round(c["chosen"]["overhead"], 4)  # as plan's
+    (2000.0, 0.121)
+    >>> overhead_curve(50, 10000, points=3, chosen=20)["intervals_seconds"][0]  # widened
+    10.0
+    """
+    _positive(save_seconds, "--save-seconds")
+    _positive(mtbf_seconds, "--mtbf")
+    if chosen is not None:
+        _positive(chosen, "--interval")
+    if isinstance(points, bool) or not isinstance(points, int) or points < 2:
+        raise UsageError(f"points must be a whole number >= 2, not {points!r}")
+    if not span > 1:
+        raise UsageError(f"span must be more than 1, not {span!r}")
+    c, m = float(save_seconds), float(mtbf_seconds)
+    formula, best = ("young", young_daly(c, m)) if c / m <= FIRST_ORDER_RATIO \
+        else ("daly", daly(c, m))
+    lo, hi = math.log10(best / span), math.log10(best * span)
+    centred = chosen is None or best / span <= chosen <= best * span
+    if not centred:
+        lo = min(lo, math.log10(chosen / 2.0))
+        hi = max(hi, math.log10(chosen * 2.0))
+    xs = [10 ** (lo + (hi - lo) * i / (points - 1)) for i in range(points)]
+    if points % 2 and centred:
+        xs[points // 2] = best  # exactly, not 10 ** log10(best)
+    return {
+        "model": "daly",
+        "save_seconds": c,
+        "mtbf_seconds": m,
+        "intervals_seconds": xs,
+        "overheads": [expected_overhead(c, x, m) for x in xs],
+        "optimal": {"interval_seconds": best, "overhead": expected_overhead(c, best, m),
+                    "formula": formula},
+        "chosen": None if chosen is None else {
+            "interval_seconds": float(chosen),
+            "overhead": expected_overhead(c, float(chosen), m)},
+    }
+
+
 def system_mtbf(node_mtbf_seconds: float, nodes: int) -> float:
     """The job's MTBF from a per-node one (as vendors quote it): with independent
     exponential failures, P nodes fail P times as often, M = node MTBF / P.
