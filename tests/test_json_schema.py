@@ -430,6 +430,20 @@ def test_plan_json_error(cli, tmp_path):
     assert e["code"] == "USAGE" and "--mtbf" in e["message"]
 
 
+def test_report_json(cli, run):
+    doc = _json_ok(cli, "report", str(run))
+    assert doc["target"] == str(run) and doc["only"] == ["model"]
+    (tier,) = doc["tiers"]
+    assert [c["url"] for c in tier["checkpoints"]] == [str(run / "step-42")]
+    assert doc["breakdown"]["url"] == str(run / "step-42") and doc["changes"] == []
+    assert doc["notes"] == ["fewer than two readable checkpoints: no change to show"]
+
+
+def test_report_json_error(cli, run):
+    e = _json_error(cli, 2, "report", str(run), "--save-seconds", "60")
+    assert e["code"] == "USAGE" and "--mtbf" in e["message"]
+
+
 def test_every_command_with_json_is_covered():
     """A new command with --json must get its success and failure tests here."""
     import typer
@@ -441,7 +455,7 @@ def test_every_command_with_json_is_covered():
                  if any("--json" in p.opts for p in cmd.params)}
     covered = {"ls", "inspect", "verify", "seal", "reshard", "consolidate", "tiers", "gc",
                "promote", "pack", "unpack", "diff", "plan", "watch", "latest", "rm", "pin",
-               "unpin", "man"}  # man: tests/test_garbage_and_traps.py
+               "unpin", "man", "report"}  # man: tests/test_garbage_and_traps.py
     assert with_json == covered, with_json ^ covered
 
 

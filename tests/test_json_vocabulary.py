@@ -94,6 +94,8 @@ def documents(tmp_path_factory, monkeypatch_module) -> dict[str, list[dict]]:
     add("rm", "rm", str(d / "u"))
     add("rm", "rm", str(d / "nope"), codes=(3,))  # an error document
     add("man", "man")
+    add("report", "report", str(run), "--save-seconds", "60", "--mtbf", "2.8h")
+    add("report", "--config", str(cfg), "report", "--against", ck)
     return docs
 
 

@@ -14,7 +14,7 @@ import typer
 from ..errors import EXIT_INTERRUPTED, EXIT_OPERATIONAL, EXIT_USAGE, CkptError, shorten
 # the verb modules register their verbs on the app
 from . import (convert_cmd, diff_cmd, gc_cmd, inspect_cmd, ls_cmd, man_cmd,  # noqa: F401
-               pack_cmd, plan_cmd, promote_cmd, tiers_cmd, verify_cmd, watch_cmd)
+               pack_cmd, plan_cmd, promote_cmd, report_cmd, tiers_cmd, verify_cmd, watch_cmd)
 from .app import EXIT_STATUS, app  # noqa: F401  (EXIT_STATUS: re-exported for the docs)
 
 

@@ -34,6 +34,7 @@ _EXPORTS = {
                      "young_daly"], "tiering.plan"),
     **dict.fromkeys(["PromoteResult", "promote"], "tiering.promote"),
     **dict.fromkeys(["RemoveResult", "remove_checkpoint"], "writing.removal"),
+    **dict.fromkeys(["ReportData", "report"], "report"),
     **dict.fromkeys(["remove"], "tiering.rm"),
     **dict.fromkeys(["SealResult", "seal"], "integrity.seal"),
     **dict.fromkeys(["checkpoint_state"], "catalog.state"),
