@@ -17,6 +17,11 @@ MEGATRON_NEXT := $(VENV)/megatron-core-0.19.2
 # torchtitan 0.3.0's checkpointer (tests/fixtures/load_with_torchtitan.py) with what it imports,
 # in a folder of its own: torchtitan's own requirements pull wandb, tensorboard and datasets
 TORCHTITAN := $(VENV)/torchtitan-0.3.0
+# Debian's Chromium, which playwright drives for the report's browser test and the README's
+# picture of a report (tests/browser.py; playwright downloads no browser). Installed as root
+# when missing (a failed install fails the setup); without root, a note, and the browser
+# tests skip with the reason.
+CHROMIUM := /usr/bin/chromium
 
 $(STAMP): pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
@@ -28,6 +33,15 @@ $(STAMP): pyproject.toml Makefile
 	    docstring_parser==0.18.0 typeguard==4.6.1 spmd_types==0.2.3
 	# Azurite (npm), the Azure Blob tests' loopback server (tests/cloudservers.py), in its own folder
 	npm install --prefix $(VENV)/azurite --no-audit --no-fund --loglevel=error azurite@3.37.0
+	@if [ ! -x $(CHROMIUM) ]; then \
+	    if [ "$$(id -u)" = 0 ]; then \
+	        echo "apt-get install chromium (for the browser tests)"; \
+	        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	            --no-install-recommends chromium > /dev/null && test -x $(CHROMIUM); \
+	    else \
+	        echo "note: no $(CHROMIUM) and not root: the browser tests will skip (apt-get install chromium)"; \
+	    fi; \
+	fi
 	$(BIN)/python -c "import ckptctl, torch, s3fs, safetensors, moto, hypothesis, transformers, accelerate, lightning, peft"
 	touch $(STAMP)
 
@@ -80,6 +94,7 @@ bench: venv
 docs: venv
 	$(BIN)/python tests/docsgen.py
 	$(BIN)/python tests/readme_session.py
+	$(BIN)/python tests/report_picture.py
 
 docs-check: venv
 	$(BIN)/python tests/docsgen.py --check
