@@ -325,7 +325,7 @@ def test_help_lists_the_sections_in_order(cli):
     assert heads[-5:] == ["Look", "Convert", "Compare and check", "Tiers and retention",
                           "Service"], heads
     look = out.split("Look:\n", 1)[1].split("\n\n", 1)[0]
-    assert [line.split()[0] for line in look.splitlines()] == ["ls", "inspect", "latest"]
+    assert [line.split()[0] for line in look.splitlines()] == ["ls", "inspect", "latest", "report"]
     # one column for every section
     cols = {len(m.group(1)) for m in re.finditer(r"^(  \w+ +)(\S)", out.split("Look:", 1)[1],
                                             flags=re.M)}

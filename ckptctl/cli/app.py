@@ -14,7 +14,7 @@ EXIT_STATUS = exit_status_text()  # the table lives in errors.EXIT_CODES
 #: ``ckptctl --help`` lists the verbs in these sections, in this order; a verb that is in
 #: none is listed last, under "Other" (a new verb is never left out of the help).
 SECTIONS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("Look", ("ls", "inspect", "latest")),
+    ("Look", ("ls", "inspect", "latest", "report")),
     ("Convert", ("reshard", "consolidate", "pack", "unpack")),
     ("Compare and check", ("diff", "verify", "seal")),
     ("Tiers and retention", ("tiers", "promote", "gc", "rm", "pin", "unpin")),
