@@ -448,3 +448,25 @@ def test_opaque_objects_compare_by_bytes(tmp_path):
     (rng,) = [e for e in same.entries if e.name.startswith("rng")]
     assert same.equal and (rng.status, rng.proof) == ("identical", "bytes")
     assert _row(same, "optim.param_groups.0.lr").proof == "values"
+
+
+def test_blocks_are_compared_with_one_blas_thread(tmp_path, monkeypatch):
+    """A library caller has numpy loaded with a BLAS thread per core; while diff compares,
+    BLAS runs on one (the CLI sets OPENBLAS_NUM_THREADS itself)."""
+    from threadpoolctl import threadpool_info
+
+    import ckptctl.convert.diff as d
+
+    seen = []
+    real = d._compare_all
+
+    def spy(*args, **kwargs):
+        seen.extend(p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(d, "_compare_all", spy)
+    a = torch.arange(64, dtype=torch.float32)
+    save_file({"w": a}, str(tmp_path / "a.safetensors"))
+    save_file({"w": a + 1}, str(tmp_path / "b.safetensors"))
+    r = diff(str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"))
+    assert r.verdict == "different" and seen and set(seen) == {1}

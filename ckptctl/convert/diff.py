@@ -1006,12 +1006,29 @@ def diff(a: str, b: str, a_options: dict | None = None, b_options: dict | None =
     rows, pairs_todo, objects = _classify(res, cka, ckb, keys, names_a, names_b,
                                           cast=cast, atol=atol, rtol=rtol)
     jobs = _chunk_jobs(cka, ckb, pairs_todo, workers, on_bytes)
-    _compare_all(cka, ckb, jobs, pairs_todo, objects, workers=workers,
-                 max_memory=max_memory, atol=atol, rtol=rtol, on_bytes=on_bytes,
-                 on_total=on_total)
+    with one_blas_thread():
+        _compare_all(cka, ckb, jobs, pairs_todo, objects, workers=workers,
+                     max_memory=max_memory, atol=atol, rtol=rtol, on_bytes=on_bytes,
+                     on_total=on_total)
     _tally(res, rows, pairs_todo, common)
     res.seconds = round(time.monotonic() - t0, 3)
     return res
+
+
+def one_blas_thread():
+    """numpy's BLAS limited to one thread while blocks are compared (``threadpoolctl``):
+    the sums of squares are ``np.dot`` of 131,072 values, which OpenBLAS spreads over a
+    thread per core that spin against the comparing workers. The CLI sets
+    ``OPENBLAS_NUM_THREADS=1`` before numpy loads; a library caller (a notebook, ``ckptctl
+    report`` from Python) has numpy loaded already: a 10-checkpoint report took 2.5-4.7 s
+    there against 0.4-0.5 s on 2 busy cores.
+
+    >>> with one_blas_thread():
+    ...     pass
+    """
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(limits=1, user_api="blas")
 
 
 def _check_args(atol: float, rtol: float, workers: int, maps: list[str] | None,
