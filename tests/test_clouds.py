@@ -619,3 +619,36 @@ def test_consolidate_and_reshard_straight_to_a_cloud(box, model_ckpt, tmp_path):
         cm.pop("created"), lm.pop("created")
         assert cm == lm and cd["manifest_id"] == ld["manifest_id"], (cm, lm)
         ok(ckptctl("verify", "--level", "full", box.url(name), box=box))
+
+
+NO_GCSFS = """
+import sys
+from ckptctl.cli.main import main
+for argv in (["ls", sys.argv[1]], ["latest", sys.argv[1]], ["inspect", sys.argv[2]],
+             ["verify", sys.argv[2], "--level", "full"], ["diff", sys.argv[2], sys.argv[2]],
+             ["promote", sys.argv[2], sys.argv[3]], ["promote", sys.argv[2], sys.argv[3]]):
+    try:
+        main(argv)
+    except SystemExit as e:
+        assert not e.code, (argv, e.code)
+heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("gcsfs", "google", "aiohttp"))
+assert not heavy, heavy
+print("clean")
+"""
+
+
+def test_reading_gs_imports_no_gcsfs(gcs_bucket, model_ckpt, tmp_path):
+    """Listing, reading, a full verify and a download (twice: nothing to send the second
+    time) of gs:// all go through obstore; gcsfs (0.5-0.6 s of imports) only writes."""
+    ok(ckptctl("promote", model_ckpt, gcs_bucket.url("run/step-7"), box=gcs_bucket))
+    p = subprocess.run([sys.executable, "-c", NO_GCSFS, gcs_bucket.url("run"),
+                        gcs_bucket.url("run/step-7"), str(tmp_path / "down" / "step-7")],
+                       capture_output=True, text=True, timeout=BOUND_S, cwd=ROOT,
+                       env={**os.environ, **gcs_bucket.env})
+    assert p.returncode == 0 and "clean" in p.stdout, p.stderr[-3000:]
+    assert same_tree(model_ckpt, tmp_path / "down" / "step-7")
+
+
+def test_a_missing_gcs_bucket_is_one_line(gcs_bucket):
+    p = ckptctl("ls", "gs://no-such-bucket-here/run", "--timeout", "30", box=gcs_bucket)
+    assert p.returncode == 3 and one_line(p).endswith("no such bucket"), p.stderr

@@ -76,11 +76,11 @@ def _buckets():
             shutil.rmtree(Path(server.root) / name, ignore_errors=True)
 
 
-#: the places: the local file system, two S3 servers and Azurite, each through the native
-#: client (obstore) and through its fsspec filesystem (s3fs, adlfs), fake-gcs-server
-#: through gcsfs
+#: the places: the local file system, two S3 servers, Azurite and fake-gcs-server, each
+#: through the native client (obstore; GCS: obstore reads, gcsfs writes) and through its
+#: fsspec filesystem (s3fs, adlfs, gcsfs)
 KINDS = ["local", "rclone", "rclone-fsspec", "moto", "moto-fsspec", "azurite",
-         "azurite-fsspec", "fakegcs"]
+         "azurite-fsspec", "fakegcs", "fakegcs-fsspec"]
 
 
 @pytest.fixture(params=KINDS)
@@ -91,9 +91,10 @@ def place(request, tmp_path, _buckets) -> Place:
         box = request.getfixturevalue("az_container")
         opts = {"fsspec": True} if request.param.endswith("fsspec") else {}
         return Place(request.param, box.url(f"t{uuid.uuid4().hex[:10]}"), opts)
-    if request.param == "fakegcs":
+    if request.param.startswith("fakegcs"):
         box = request.getfixturevalue("gcs_bucket")
-        return Place(request.param, box.url(f"t{uuid.uuid4().hex[:10]}"), {})
+        opts = {"fsspec": True} if request.param.endswith("fsspec") else {}
+        return Place(request.param, box.url(f"t{uuid.uuid4().hex[:10]}"), opts)
     kind = request.param.split("-")[0]
     server = request.getfixturevalue("rclone_s3" if kind == "rclone" else "moto_s3")
     if kind not in _buckets:
@@ -563,6 +564,7 @@ def test_caps(place):
             # writes (no resumable part API through these clients yet), no server copies
             "azurite": Capabilities(False, True, True, False),  # Copy Blob
             "fakegcs": Capabilities(False, True, False, False),
+            "fakegcs-fsspec": Capabilities(False, False, False, False),
             "azurite-fsspec": Capabilities(False, False, False, False)}
     assert caps == want.get(place.kind, Capabilities(False, True, True, True))
 

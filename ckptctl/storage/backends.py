@@ -7,7 +7,8 @@ a path, file://    :class:`~ckptctl.storage.local_store.LocalStore` (the OS)
 s3://, s3a://      :class:`~ckptctl.storage.s3_native.NativeS3Store` (reads: obstore;
                    writes: s3fs and botocore)
 az://, abfs://     :class:`~ckptctl.storage.azure.AzureStore` (obstore)
-gs://, gcs://      :class:`~ckptctl.storage.gcs.GcsStore` (gcsfs)
+gs://, gcs://      :class:`~ckptctl.storage.gcs.NativeGcsStore` (reads: obstore;
+                   writes: gcsfs)
 anything else      :class:`Store` on that protocol's fsspec filesystem
 =================  ===============================================================
 
@@ -65,6 +66,12 @@ def open_store(url: str, storage_options: dict | None = None) -> "Store":
         if not wants_fsspec(options):
             return NativeS3Store(url, None, protocol, path, options=options,
                                  client_factory=client_factory(options))
+    if protocol in ("gs", "gcs") and not generic:
+        from .gcs import NativeGcsStore, client_factory, native_options
+
+        if native_options(options):
+            return NativeGcsStore(url, None, protocol, path, options=options,
+                                  client_factory=client_factory(options))
     fs = make_filesystem(protocol, options)
     if protocol in ("s3", "s3a"):
         return S3Store(url, fs, protocol, path)

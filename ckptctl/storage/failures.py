@@ -237,7 +237,9 @@ def _native_failure(e: BaseException, shown: str):
     name, text = type(e).__name__, str(e)
     if not _from_obstore(e):
         return None
-    if "ContainerNotFound" in text or "NoSuchBucket" in text:
+    # fake-gcs-server answers a missing bucket with 500 "no bucket named B" (GCS: 404
+    # NoSuchBucket)
+    if "ContainerNotFound" in text or "NoSuchBucket" in text or "no bucket named" in text:
         return "no such container" if "Container" in text else "no such bucket", \
             "MISSING_FILE", NotFoundError, False
     if shown.startswith("s3://") and re.search(r"<Code>\w+</Code>", text):
