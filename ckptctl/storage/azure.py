@@ -20,12 +20,11 @@ variables to set (exit 3).
 from __future__ import annotations
 
 import os
-import threading
 from datetime import timedelta
 
 from ..errors import StorageError, UsageError
 from .failures import AZURE_CREDENTIALS
-from .native_store import NativeStore
+from .native_store import NativeStore, shared_client
 from .store import Store
 from .store_core import Capabilities
 
@@ -86,10 +85,6 @@ def azure_config(options: dict | None, env=None) -> dict:
     return cfg
 
 
-_clients: dict[str, object] = {}
-_clients_lock = threading.Lock()
-
-
 def client_factory(options: dict | None):
     """A function container -> its obstore ``AzureStore`` (one per container and
     settings in a process, shared by its threads)."""
@@ -106,17 +101,14 @@ def client_factory(options: dict | None):
     budget = timedelta(seconds=timeout)
 
     def for_container(container: str):
-        key = repr((container, sorted(cfg.items()), timeout, os.getpid()))
-        with _clients_lock:
-            st = _clients.get(key)
-            if st is None:
-                from obstore.store import AzureStore
+        def make():
+            from obstore.store import AzureStore
 
-                st = _clients[key] = AzureStore(container, config=cfg,
-                                                client_options=client_options,
-                                                retry_config={"max_retries": 2,
-                                                              "retry_timeout": budget})
-            return st
+            return AzureStore(container, config=cfg, client_options=client_options,
+                              retry_config={"max_retries": 2, "retry_timeout": budget})
+
+        return shared_client(repr(("az", container, sorted(cfg.items()), timeout,
+                                   os.getpid())), make)
 
     for_container.secrets = [v for k, v in cfg.items()
                              if k in ("account_key", "sas_token") and isinstance(v, str)]

@@ -26,11 +26,10 @@ too (:class:`GcsStore`). Exclusive writes (the manifest, commit markers) send
 from __future__ import annotations
 
 import os
-import threading
 from datetime import timedelta
 
 from .failures import GCS_CREDENTIALS
-from .native_store import NativeReads
+from .native_store import NativeReads, shared_client
 from .store import Store
 from .store_core import Capabilities
 
@@ -99,10 +98,6 @@ def gcs_config(options: dict | None, env=None) -> dict:
     return cfg
 
 
-_clients: dict[str, object] = {}
-_clients_lock = threading.Lock()
-
-
 def client_factory(options: dict | None):
     """A function bucket -> its obstore ``GCSStore`` (one per bucket and settings in a
     process, shared by its threads), within ckptctl's request budget."""
@@ -115,16 +110,14 @@ def client_factory(options: dict | None):
     budget = timedelta(seconds=timeout)
 
     def for_bucket(bucket: str):
-        key = repr((bucket, sorted(cfg.items()), timeout, os.getpid()))
-        with _clients_lock:
-            st = _clients.get(key)
-            if st is None:
-                from obstore.store import GCSStore
+        def make():
+            from obstore.store import GCSStore
 
-                st = _clients[key] = GCSStore(bucket, config=cfg, client_options=client_options,
-                                              retry_config={"max_retries": 2,
-                                                            "retry_timeout": budget})
-            return st
+            return GCSStore(bucket, config=cfg, client_options=client_options,
+                            retry_config={"max_retries": 2, "retry_timeout": budget})
+
+        return shared_client(repr(("gs", bucket, sorted(cfg.items()), timeout, os.getpid())),
+                             make)
 
     for_bucket.server = f"gs:{cfg.get('base_url', '')}"
     return for_bucket

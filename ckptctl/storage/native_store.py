@@ -15,6 +15,7 @@ no HEAD later); exclusive writes send ``If-None-Match: *`` and conditional updat
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Iterator
 
 from ..errors import NotFoundError
@@ -24,6 +25,24 @@ from .store_core import Capabilities
 
 #: A write up to this size goes as one PUT; a larger one through obstore's multipart writer.
 ONE_PUT = 8 << 20
+
+_clients: dict[str, object] = {}
+_clients_lock = threading.Lock()
+
+
+def shared_client(key: str, make):
+    """The obstore store for ``key`` (a bucket or container and the settings it was made
+    with, the process id among them): made by ``make()`` once per process, then shared
+    by its threads (one connection pool, one credential cache).
+
+    >>> shared_client("k", lambda: object()) is shared_client("k", lambda: object())
+    True
+    """
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            client = _clients[key] = make()
+        return client
 
 
 class NativeReads(Store):

@@ -20,10 +20,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import threading
 
 from ..errors import CkptError
-from .native_store import NativeReads, open_write, put_whole, unlink
+from .native_store import NativeReads, open_write, put_whole, shared_client, unlink
 from .s3_store import S3Store
 from .store import Store
 
@@ -119,10 +118,6 @@ def _chain_credentials(options: dict, cfg: dict) -> None:
         cfg["token"] = frozen.token
 
 
-_clients: dict[str, object] = {}
-_clients_lock = threading.Lock()
-
-
 def client_factory(options: dict):
     """A function bucket -> its obstore ``S3Store`` (one per bucket and settings in a
     process, shared by its threads), with ckptctl's request budget: each try waits
@@ -147,16 +142,14 @@ def client_factory(options: dict):
         if not state["chained"]:
             _chain_credentials(options, state["cfg"])
             state["chained"] = True
-        key = repr((bucket, sorted(state["cfg"].items()), client_options, os.getpid()))
-        with _clients_lock:
-            st = _clients.get(key)
-            if st is None:
-                from obstore.store import S3Store as ObstoreS3
+        def make():
+            from obstore.store import S3Store as ObstoreS3
 
-                st = _clients[key] = ObstoreS3(bucket, config=state["cfg"],
-                                               client_options=client_options,
-                                               retry_config=retry)
-            return st
+            return ObstoreS3(bucket, config=state["cfg"], client_options=client_options,
+                             retry_config=retry)
+
+        return shared_client(repr(("s3", bucket, sorted(state["cfg"].items()),
+                                   client_options, os.getpid())), make)
 
     for_bucket.server = f"s3:{endpoint}"
     for_bucket.access_key = cfg.get("access_key_id")
