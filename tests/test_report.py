@@ -210,3 +210,15 @@ def test_on_s3_as_locally(cli, run, moto_bucket):
         local = _json(cli, "diff", str(run / f"step-{c['a_step']}"),
                       str(run / f"step-{c['b_step']}"), "--only", "model")
         assert c["layers"] == local["layers"]
+
+
+def test_render_leaves_the_callers_matplotlib_alone_and_is_deterministic(run):
+    import matplotlib
+
+    from ckptctl.report import collect, render
+
+    before = dict(matplotlib.rcParams)
+    pages = [render(collect(str(run))) for _ in range(2)]
+    assert dict(matplotlib.rcParams) == before
+    head = [p.split('id="report-data"')[0] for p in pages]  # the data holds timings
+    assert head[0] == head[1] and "<text" in head[0]  # text as text, the same page

@@ -110,8 +110,10 @@ def step_gaps(steps: list[int]) -> list[list[int]]:
             if b - a > every and (b - a) // every > 1]
 
 
-def tier_run(url: str, name: str | None = None, storage_options: dict | None = None) -> TierRun:
-    """``ls`` of one place; a pack's row has its ``pack_ratio`` (``format`` is that of the
+def tier_run(url: str, name: str | None = None, storage_options: dict | None = None, *,
+             listed=None) -> TierRun:
+    """``ls`` of one place (``listed``: its :class:`~ckptctl.catalog.ls.LsResult` when
+    already made); a pack's row has its ``pack_ratio`` (``format`` is that of the
     checkpoint it holds, as ``ls`` says). A place that cannot be listed gives a run with
     ``error`` set (the report says so and shows the other tiers).
 
@@ -123,7 +125,7 @@ def tier_run(url: str, name: str | None = None, storage_options: dict | None = N
 
     run = TierRun(name, url)
     try:
-        res = ls(url, storage_options)
+        res = listed if listed is not None else ls(url, storage_options)
     except CkptError as e:
         run.error = e.message
         return run
@@ -192,7 +194,7 @@ def collect(target: str | None = None, storage_options: dict | None = None, *,
     only = list(only) if only else None
     data = ReportData(target or (config.path if config is not None else ""), only,
                       against=against)
-    places = _places(target, storage_options, config, data)
+    places = _places(target, storage_options, config)
     order = _run_order(data, places)
     if target is not None and not data.tiers:  # one checkpoint
         order = [(None, target, storage_options)]
@@ -213,20 +215,21 @@ def collect(target: str | None = None, storage_options: dict | None = None, *,
     return data
 
 
-def _places(target, storage_options, config, data: ReportData) -> list[tuple]:
-    """(tier name, url, options) of each place whose run is shown; a single checkpoint
-    as ``target`` shows no run."""
+def _places(target, storage_options, config) -> list[tuple]:
+    """(tier name, url, options, its ``ls`` when made here) of each place whose run is
+    shown; a single checkpoint as ``target`` shows no run."""
     if config is not None:
         from ..tiering.config import merge_options
 
-        return [(t.name, t.url, merge_options(t.storage_options, storage_options))
+        return [(t.name, t.url, merge_options(t.storage_options, storage_options), None)
                 for t in config.tiers]
     from ..catalog.ls import ls
 
-    rows = ls(target, storage_options).checkpoints  # a target that is not there: its error
+    listed = ls(target, storage_options)  # a target that is not there: its error
+    rows = listed.checkpoints
     if len(rows) == 1 and rows[0].url.rstrip("/") == target.rstrip("/"):
         return []  # the target is one checkpoint
-    return [(None, target, storage_options)]
+    return [(None, target, storage_options, listed)]
 
 
 def _run_order(data: ReportData, places: list[tuple]) -> list[tuple]:
@@ -234,8 +237,8 @@ def _run_order(data: ReportData, places: list[tuple]) -> list[tuple]:
     that holds it: ``[(step, url, options)]``."""
     seen: dict[int, tuple] = {}
     unnumbered: list[tuple] = []
-    for name, url, options in places:
-        run = tier_run(url, name, options)
+    for name, url, options, listed in places:
+        run = tier_run(url, name, options, listed=listed)
         data.tiers.append(run)
         for c in run.checkpoints:
             if c["state"] not in READABLE:

@@ -42,17 +42,32 @@ td:first-child, th:first-child { text-align: left; }
 """
 
 
+#: matplotlib settings while the page is drawn (a caller's own settings are left as
+#: they were): text as text, and the same data gives the same page
+RC = {"svg.fonttype": "none", "font.size": 9, "svg.hashsalt": "ckptctl"}
+
+
 def _matplotlib():
     try:
-        import matplotlib
+        import matplotlib  # noqa: F401
     except ImportError:
         raise UsageError("ckptctl report draws its charts with matplotlib: "
                          "pip install 'ckptctl[report]' (or use --json)") from None
-    matplotlib.rcParams.update({"svg.fonttype": "none", "font.size": 9,
-                                "svg.hashsalt": "ckptctl"})  # the same data, the same page
     from matplotlib.figure import Figure
 
     return Figure
+
+
+def _style():
+    """:data:`RC` for the charts drawn inside, as a context (nothing when there is no
+    matplotlib: the first chart says what to install)."""
+    import contextlib
+
+    try:
+        import matplotlib
+    except ImportError:
+        return contextlib.nullcontext()
+    return matplotlib.rc_context(RC)
 
 
 def _svg(fig) -> str:
@@ -272,8 +287,9 @@ def render(data: ReportData, *, show=None, shown_doc=None) -> str:
                 ("bytes", "Where the bytes are", bytes_chart, _bytes_table),
                 ("change", "Change between checkpoints", change_chart, _change_table),
                 ("plan", "Checkpoint interval", plan_chart, None)]
-    for name, title, draw, table in sections:
-        svg = draw(data)
+    with _style():
+        drawn = [(name, title, draw(data), table) for name, title, draw, table in sections]
+    for name, title, svg, table in drawn:
         if svg is None:
             continue
         body.append(f'<h2>{title}</h2>\n<section data-chart="{name}">\n{svg}\n</section>')
