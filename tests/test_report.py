@@ -222,3 +222,23 @@ def test_render_leaves_the_callers_matplotlib_alone_and_is_deterministic(run):
     assert dict(matplotlib.rcParams) == before
     head = [p.split('id="report-data"')[0] for p in pages]  # the data holds timings
     assert head[0] == head[1] and "<text" in head[0]  # text as text, the same page
+
+
+def test_an_output_that_would_lose_or_hide_something_is_refused(cli, run, tmp_path):
+    """A folder, a missing folder, a checkpoint's own file, a page inside a checkpoint:
+    one line, exit 2, before anything is read; nothing written. A page of its own is
+    replaced."""
+    meta = run / "step-10" / ".metadata"
+    before = meta.read_bytes()
+    for out, words in ((tmp_path, "is a folder"), (tmp_path / "nope" / "r.html", "no folder"),
+                       (meta, "is not a ckptctl report page"),
+                       (run / "step-20" / "r.html", "inside the checkpoint")):
+        code, stdout, err = cli("report", str(run), "--output", str(out))
+        assert code == 2 and words in err and err.count("\n") == 1, err
+        assert "Traceback" not in err and stdout == ""
+    assert meta.read_bytes() == before
+    assert not (run / "step-20" / "r.html").exists()
+    assert not [p for p in run.rglob("*.tmp-*")]
+    page = tmp_path / "r.html"
+    assert cli("report", str(run), "--output", str(page))[0] == 0
+    assert cli("report", str(run), "--output", str(page))[0] == 0  # its own page: replaced

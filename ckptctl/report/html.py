@@ -20,6 +20,8 @@ import math
 from ..errors import UsageError
 from .data import ReportData
 
+#: what marks a page as this command's: an existing --output without it is not replaced
+GENERATOR = '<meta name="generator" content="ckptctl report">'
 #: colours of checkpoint states (ls's words)
 STATE_COLOURS = {"sealed": "#2b8a3e", "complete": "#74b816", "incomplete": "#f59f00",
                  "corrupt": "#e03131", "unknown": "#868e96"}
@@ -300,8 +302,8 @@ def render(data: ReportData, *, show=None, shown_doc=None) -> str:
     doc = data.to_dict()
     payload = json.dumps(shown_doc(doc) if shown_doc else doc,
                          default=_jsonable).replace("</", "<\\/")
-    return ("<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
-            f"<title>ckptctl report: {e(data.target)}</title>"
+    return ("<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>" + GENERATOR
+            + f"<title>ckptctl report: {e(data.target)}</title>"
             # nothing is fetched: not even a favicon
             '<link rel="icon" href="data:,">'
             f"<style>{_STYLE}</style></head><body>\n" + "\n".join(body)
